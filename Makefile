@@ -1,0 +1,27 @@
+# Single entry point. `make demo` runs the main job, `make test` runs the test suite.
+VENV ?= $(or $(MOONCAKE_VLLM_VENV),$(HOME)/.cache/mooncake-vllm/venv)
+PY := $(VENV)/bin/python
+export MOONCAKE_VLLM_VENV := $(VENV)
+
+.PHONY: setup model test test-unit demo lint format bench
+
+setup:
+	@bash scripts/setup.sh
+
+model: setup
+	@$(PY) -m mooncake_vllm.testing.tiny_model
+
+test: setup
+	$(PY) -m pytest -v -ra $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest -v -m "not servers" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m mooncake_vllm.demo
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

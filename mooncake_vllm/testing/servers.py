@@ -1,0 +1,286 @@
+"""Start and stop real servers on loopback: vLLM OpenAI servers, redis-server, etcd.
+
+Shared by the tests, the demo and the benchmarks. Every server runs in its own process group with
+its output in a log file; ``stop()`` ends the whole group (vLLM spawns engine-core and worker
+processes), and an ``atexit`` hook stops whatever is still running, so nothing outlives its owner.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_running: set[ManagedProcess] = set()
+_running_lock = threading.Lock()
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or missed its deadline while starting; the message holds its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on ``host`` now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(eq=False)
+class ManagedProcess:
+    """One child process group with its log file."""
+
+    name: str
+    argv: Sequence[str]
+    log_path: Path
+    env: Mapping[str, str] | None = None
+    proc: subprocess.Popen | None = field(default=None, init=False)
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child, closed below
+        try:
+            self.proc = subprocess.Popen(
+                list(self.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(self.env) if self.env is not None else None,
+                start_new_session=True,  # own process group: stop() reaches every descendant
+            )
+        finally:
+            log.close()
+        with _running_lock:
+            _running.add(self)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, max_bytes: int = 20_000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return ""
+        return data[-max_bytes:].decode(errors="replace")
+
+    def wait_until(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Poll ``ready`` until it is true; fail fast if the process exits, or at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive:
+                code = self.proc.returncode if self.proc else None
+                raise ServerStartError(
+                    f"{self.name} exited with code {code} before {what}; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            with contextlib.suppress(Exception):
+                if ready():
+                    return
+            time.sleep(0.25)
+        self.stop()
+        raise ServerStartError(
+            f"{self.name} not {what} within {timeout_s:.0f}s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``grace_s``."""
+        with _running_lock:
+            _running.discard(self)
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace_s)
+        # The leader may be gone while spawned workers linger in the group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+def stop_all() -> None:
+    with _running_lock:
+        procs = list(_running)
+    for p in procs:
+        p.stop(grace_s=5)
+
+
+atexit.register(stop_all)
+
+
+def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return resp.status == 200
+
+
+def http_json(url: str, body: dict | None = None, timeout_s: float = 120.0) -> dict:
+    """A blocking JSON GET/POST for harness checks; raises on a non-2xx status."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def http_text(url: str, timeout_s: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return resp.read().decode()
+
+
+@dataclass(eq=False)
+class VllmServer:
+    process: ManagedProcess
+    host: str
+    port: int
+    model: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus samples summed over labels, by sample name."""
+        out: dict[str, float] = {}
+        for line in http_text(f"{self.url}/metrics").splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name = name_labels.split("{", 1)[0]
+            with contextlib.suppress(ValueError):
+                out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def default_log_dir() -> Path:
+    return Path(os.environ.get("MOONCAKE_VLLM_LOG_DIR", tempfile.gettempdir())) / "mooncake-vllm"
+
+
+def vllm_env(kv_cache_gib: float = 1.0, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+            # 2 cores shared by several servers: no pinning, one OpenMP thread each.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+def start_vllm(
+    model: str | Path,
+    *,
+    name: str = "vllm",
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    kv_cache_gib: float = 1.0,
+    max_model_len: int = 2048,
+    log_dir: Path | None = None,
+    timeout_s: float = 300.0,
+) -> VllmServer:
+    """Start ``python -m vllm.entrypoints.openai.api_server`` and wait for ``/health``."""
+    port = port or free_port(host)
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--host", host,
+        "--port", str(port),
+        "--dtype", "float32",
+        "--enforce-eager",
+        "--max-model-len", str(max_model_len),
+        "--seed", "0",
+        *args,
+    ]  # fmt: skip
+    log = (log_dir or default_log_dir()) / f"{name}-{host}-{port}.log"
+    proc = ManagedProcess(name, argv, log, vllm_env(kv_cache_gib, env)).start()
+    server = VllmServer(proc, host, port, str(model))
+    proc.wait_until(lambda: _http_ok(f"{server.url}/health"), timeout_s, "healthy")
+    return server
+
+
+@dataclass(eq=False)
+class KvServer:
+    """redis-server or etcd on loopback with a throwaway data dir."""
+
+    process: ManagedProcess
+    host: str
+    port: int
+    data_dir: Path
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.create_connection((host, port), timeout=1):
+        return True
+
+
+def start_redis(host: str = "127.0.0.1", port: int | None = None, log_dir: Path | None = None):
+    port = port or free_port(host)
+    data_dir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-redis-"))
+    argv = [
+        "redis-server", "--bind", host, "--port", str(port), "--dir", str(data_dir),
+        "--save", "", "--appendonly", "no", "--protected-mode", "no",
+    ]  # fmt: skip
+    log = (log_dir or default_log_dir()) / f"redis-{host}-{port}.log"
+    proc = ManagedProcess("redis-server", argv, log).start()
+    proc.wait_until(lambda: _port_open(host, port), 30, "accepting connections")
+    return KvServer(proc, host, port, data_dir)
+
+
+def start_etcd(host: str = "127.0.0.1", port: int | None = None, log_dir: Path | None = None):
+    port = port or free_port(host)
+    peer_port = free_port(host)
+    data_dir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-etcd-"))
+    client_url, peer_url = f"http://{host}:{port}", f"http://{host}:{peer_port}"
+    argv = [
+        "etcd", "--name", "test", "--data-dir", str(data_dir),
+        "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+        "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", f"test={peer_url}",
+    ]  # fmt: skip
+    log = (log_dir or default_log_dir()) / f"etcd-{host}-{port}.log"
+    proc = ManagedProcess("etcd", argv, log).start()
+    proc.wait_until(lambda: _http_ok(f"{client_url}/health"), 30, "healthy")
+    return KvServer(proc, host, port, data_dir)
+
+
+@contextlib.contextmanager
+def running(server) -> Iterator:
+    """``with running(start_redis()) as r:`` stops the server however the block ends."""
+    try:
+        yield server
+    finally:
+        server.stop()

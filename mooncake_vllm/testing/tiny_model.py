@@ -1,0 +1,164 @@
+"""A small random-weight Llama with a locally trained byte-level BPE tokenizer.
+
+No network: the tokenizer is trained on a text generated from a fixed seed, the weights are drawn
+from a seeded generator. Two builds with the same parameters are byte-identical, and the result is
+cached under ``~/.cache/mooncake-vllm/models/<name>`` so it is built once per machine.
+
+    python -m mooncake_vllm.testing.tiny_model [OUT_DIR] [--layers 4 --hidden 256 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CACHE_ROOT = Path(os.environ.get("MOONCAKE_VLLM_CACHE", Path.home() / ".cache" / "mooncake-vllm"))
+_COMPLETE_MARKER = ".complete"
+
+# A chat template so /v1/chat/completions works; plain text, no special formatting tokens.
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+_WORDS = (
+    "the a of to and in is was for on that with as by at from it be this which or are an not but "
+    "cache block token layer prefill decode transfer engine memory request model server proxy "
+    "prompt stream batch queue worker scheduler lease segment region copy pull push latency "
+    "north south river mountain city light stone water garden winter summer evening morning "
+    "quick brown fox jumps over lazy dog seven eleven forty hundred thousand number value "
+    "alpha beta gamma delta omega signal vector matrix tensor kernel thread socket packet"
+).split()
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 64
+    intermediate: int = 512
+    vocab: int = 2048
+    max_len: int = 4096
+    # Larger than Llama's 0.02 so greedy logits have clear winners: token-exact comparisons
+    # between code paths must not hinge on float ties.
+    init_std: float = 0.1
+    seed: int = 1234
+
+    @property
+    def name(self) -> str:
+        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        return f"tiny-llama-l{self.layers}-h{self.hidden}-{digest[:10]}"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * 4  # K and V, float32
+
+
+def _corpus(seed: int, n_words: int = 60_000) -> list[str]:
+    rng = random.Random(seed)
+    lines, line = [], []
+    for _ in range(n_words):
+        word = rng.choice(_WORDS)
+        if rng.random() < 0.05:
+            word = word.capitalize()
+        if rng.random() < 0.03:
+            word = str(rng.randrange(10_000))
+        line.append(word)
+        if len(line) >= rng.randrange(6, 20):
+            lines.append(" ".join(line) + rng.choice([".", ",", "!", "?", ":"]))
+            line = []
+    return lines
+
+
+def _write(spec: TinyModelSpec, out: Path) -> None:
+    # Imported here: the CLI's --help and the cache check need none of these heavy modules.
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic BPE merges
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=spec.max_len,
+    )
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_len,
+        initializer_range=spec.init_std,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
+
+
+def build_tiny_model(out_dir: Path | str | None = None, spec: TinyModelSpec | None = None) -> Path:
+    """Return a directory holding the model, building it first if it is not there yet."""
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir) if out_dir else CACHE_ROOT / "models" / spec.name
+    if (out / _COMPLETE_MARKER).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a crash or a concurrent build never leaves half a model.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _write(spec, tmp)
+        (tmp / _COMPLETE_MARKER).write_text("")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except FileExistsError:
+        pass  # another process won the race with an identical build
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    defaults = TinyModelSpec()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("out_dir", nargs="?", help="where to write (default: the per-user cache)")
+    for field, value in asdict(defaults).items():
+        p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    args = vars(p.parse_args(argv))
+    out_dir = args.pop("out_dir")
+    print(build_tiny_model(out_dir, TinyModelSpec(**args)))
+
+
+if __name__ == "__main__":
+    main()
