@@ -175,7 +175,7 @@ def default_log_dir() -> Path:
     return Path(os.environ.get("MOONCAKE_VLLM_LOG_DIR", tempfile.gettempdir())) / "mooncake-vllm"
 
 
-def vllm_env(kv_cache_gib: float = 1.0, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
@@ -204,7 +204,7 @@ def start_vllm(
     port: int | None = None,
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-    kv_cache_gib: float = 1.0,
+    kv_cache_gib: int = 1,
     max_model_len: int = 2048,
     log_dir: Path | None = None,
     timeout_s: float = 300.0,
