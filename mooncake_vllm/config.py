@@ -1,0 +1,214 @@
+"""The connector's settings: one typed object, built once at startup.
+
+Sources, later wins: the Mooncake-format json named by ``MOONCAKE_CONFIG_PATH``, then
+``kv_connector_extra_config``. Every problem is raised at startup as a ``ConfigError`` naming the
+key, the bad value and the accepted forms, so a bad config never surfaces mid-request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+Role = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded for the user who wrote the config."""
+
+
+def _host_port(key: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{key}={value!r} must be 'host:port', e.g. '127.0.0.1:13003'")
+    return host, int(port)
+
+
+class MooncakeSettings(BaseModel):
+    """Keys of the Mooncake json (and of ``kv_connector_extra_config``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Where this engine's transfer engine and side channel listen: the producer (and kv_both)
+    # uses prefill_url, the consumer decode_url. Rank r uses port + 2r (engine) and
+    # port + 2r + 1 (side channel), so a same-host pair needs ports 2 * tp_size apart.
+    prefill_url: str = "127.0.0.1:13003"
+    decode_url: str = "127.0.0.1:13012"
+    local_hostname: str | None = Field(
+        None, description="address to advertise instead of the url's host"
+    )
+    metadata_server: str = P2P_HANDSHAKE
+    metadata_backend: Literal["etcd", "redis", "http"] | None = None
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""
+    # Bytes of KV the producer may hold for consumers that have not pulled yet.
+    kv_buffer_size: int = Field(1_000_000_000, gt=0)
+    lease_ttl_s: float = Field(30.0, gt=0)
+    load_timeout_s: float = Field(30.0, gt=0)
+    # Transfer-engine batches above ~2000 entries fail on TCP; keep well below.
+    max_batch_entries: int = Field(512, gt=0, le=2000)
+
+    @field_validator("prefill_url", "decode_url")
+    @classmethod
+    def _check_url(cls, v: str, info) -> str:
+        _host_port(info.field_name, v)
+        return v
+
+    @field_validator("metadata_server")
+    @classmethod
+    def _check_metadata_server(cls, v: str) -> str:
+        if v == P2P_HANDSHAKE or v.startswith(("etcd://", "http://", "https://")):
+            return v
+        if v.startswith("redis://"):
+            # The PyPI transfer-engine wheels are built without redis: reaching that code path
+            # aborts the whole process, so refuse here.
+            raise ValueError(
+                "metadata_server='redis://...' is not supported by the PyPI transfer-engine "
+                "wheels (it aborts the process); use 'P2PHANDSHAKE', 'etcd://host:port' or "
+                "'http://host:port/metadata'"
+            )
+        if ":" in v and "://" not in v:
+            return v  # legacy bare host:port, interpreted with metadata_backend
+        raise ValueError(
+            f"metadata_server={v!r}: accepted forms are 'P2PHANDSHAKE', 'etcd://host:port', "
+            "'http://host:port/metadata', or a bare 'host:port' with metadata_backend"
+        )
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Settings resolved for one engine: its role, addresses and transfer-engine arguments."""
+
+    settings: MooncakeSettings
+    role: Role
+    engine_id: str
+    tp_size: int
+    host: str
+    base_port: int
+    kv_load_failure_policy: str
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+    def engine_hostname(self, tp_rank: int) -> str:
+        return f"{self.host}:{self.base_port + 2 * tp_rank}"
+
+    def side_channel_port(self, tp_rank: int) -> int:
+        return self.base_port + 2 * tp_rank + 1
+
+    @property
+    def metadata_server(self) -> str:
+        """The transfer engine's metadata argument, legacy bare forms made explicit."""
+        s = self.settings
+        server = s.metadata_server
+        if server == P2P_HANDSHAKE or "://" in server:
+            return server
+        backend = s.metadata_backend or "etcd"
+        if backend == "redis":
+            raise ConfigError(
+                "metadata_backend='redis' is not supported by the PyPI transfer-engine wheels "
+                "(it aborts the process); use 'etcd' or 'http'"
+            )
+        return f"{backend}://{server}"
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment the transfer engine reads at initialize (it ignores ``protocol``)."""
+        env = {"MC_TCP_BIND_ADDRESS": self.host}
+        if self.settings.protocol == "tcp":
+            env["MC_FORCE_TCP"] = "1"
+        # Restarted peers re-register under the same name; refresh cached peer metadata.
+        env["MC_TE_METADATA_REFRESH_INTERVAL_SECONDS"] = os.environ.get(
+            "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", "5"
+        )
+        return env
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        if e["type"] == "extra_forbidden":
+            accepted = ", ".join(MooncakeSettings.model_fields)
+            lines.append(f"unknown key {key!r} (accepted keys: {accepted})")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{key}={e.get('input')!r}: {msg}")
+    return f"invalid MooncakeConnector config ({source}): " + "; ".join(lines)
+
+
+def load_settings(
+    extra_config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> MooncakeSettings:
+    """Merge the json file (if ``MOONCAKE_CONFIG_PATH`` is set) with extra_config and validate."""
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    sources = []
+    path = env.get(CONFIG_PATH_ENV)
+    if path:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(
+                f"{CONFIG_PATH_ENV}={path!r} cannot be read ({e.strerror}); point it to a "
+                "readable Mooncake json file, or unset it and use kv_connector_extra_config"
+            ) from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} must hold a JSON object")
+        merged.update(data)
+        sources.append(path)
+    merged.update(extra_config or {})
+    if extra_config:
+        sources.append("kv_connector_extra_config")
+    try:
+        return MooncakeSettings(**merged)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, " + ".join(sources) or "defaults")) from e
+
+
+def resolve(
+    settings: MooncakeSettings,
+    role: str | None,
+    engine_id: str,
+    tp_size: int,
+    kv_load_failure_policy: str = "recompute",
+) -> ConnectorConfig:
+    if role not in ("kv_producer", "kv_consumer", "kv_both"):
+        raise ConfigError(
+            f"kv_role={role!r}: MooncakeConnector accepts 'kv_producer', 'kv_consumer' or 'kv_both'"
+        )
+    own_key = "decode_url" if role == "kv_consumer" else "prefill_url"
+    host, port = _host_port(own_key, getattr(settings, own_key))
+    if port + 2 * tp_size > 65536:
+        raise ConfigError(f"{own_key}={getattr(settings, own_key)!r}: port too high for tp_size")
+    p_host, p_port = _host_port("prefill_url", settings.prefill_url)
+    d_host, d_port = _host_port("decode_url", settings.decode_url)
+    if p_host == d_host and abs(p_port - d_port) < 2 * tp_size:
+        raise ConfigError(
+            f"prefill_url={settings.prefill_url!r} and decode_url={settings.decode_url!r} are on "
+            f"one host and each side uses {2 * tp_size} ports from its url's port; put the ports "
+            f"at least {2 * tp_size} apart"
+        )
+    return ConnectorConfig(
+        settings=settings,
+        role=role,  # type: ignore[arg-type]
+        engine_id=engine_id,
+        tp_size=tp_size,
+        host=settings.local_hostname or host,
+        base_port=port,
+        kv_load_failure_policy=kv_load_failure_policy,
+    )
