@@ -1,0 +1,88 @@
+"""Pure block → memory-region math for a pull.
+
+A KV cache tensor is seen as one or more *segments*: runs of equally sized blocks at a fixed stride
+(e.g. a ``(2, num_blocks, ...)`` layer tensor gives a K segment and a V segment). A pull copies, for
+every segment, remote block ``r[i]`` to local block ``l[i]``; consecutive copies that are contiguous
+on both sides are merged, and the result is cut into batches the transfer engine accepts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from mooncake_vllm.protocol import MemSegment
+
+
+class Region(NamedTuple):
+    src_addr: int
+    dst_addr: int
+    length: int
+
+
+class PlanError(ValueError):
+    pass
+
+
+def tensor_segments(
+    data_ptr: int, shape: Sequence[int], strides: Sequence[int], itemsize: int, num_blocks: int
+) -> list[MemSegment]:
+    """Segments of one KV tensor whose block dimension is the first of size ``num_blocks``.
+
+    Dimensions after the block dimension must be contiguous (one block = one byte range).
+    """
+    try:
+        d = list(shape).index(num_blocks)
+    except ValueError:
+        raise PlanError(f"no dimension of size num_blocks={num_blocks} in shape {shape}") from None
+    inner = math.prod(shape[d + 1 :])
+    expected = 1
+    for size, stride in zip(reversed(shape[d + 1 :]), reversed(strides[d + 1 :]), strict=True):
+        if size > 1 and stride != expected:
+            raise PlanError(f"block interior of shape {shape} strides {strides} is not contiguous")
+        expected *= size
+    block_len = inner * itemsize
+    block_stride = strides[d] * itemsize
+    segments = []
+    for outer in itertools.product(*(range(n) for n in shape[:d])):
+        offset = sum(i * s for i, s in zip(outer, strides[:d], strict=True)) * itemsize
+        segments.append(MemSegment(data_ptr + offset, block_stride, block_len))
+    return segments
+
+
+def plan_regions(
+    src: Sequence[MemSegment],
+    dst: Sequence[MemSegment],
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+) -> list[Region]:
+    """Copies for ``src_block_ids[i] → dst_block_ids[i]`` in every segment, merged."""
+    if len(src) != len(dst):
+        raise PlanError(f"{len(src)} remote segments vs {len(dst)} local ones")
+    if len(src_block_ids) != len(dst_block_ids):
+        raise PlanError(f"{len(src_block_ids)} remote blocks vs {len(dst_block_ids)} local ones")
+    regions: list[Region] = []
+    for s, d in zip(src, dst, strict=True):
+        if s.block_len != d.block_len:
+            raise PlanError(f"block length {s.block_len} (remote) vs {d.block_len} (local)")
+        for rb, lb in zip(src_block_ids, dst_block_ids, strict=True):
+            src_addr = s.base_addr + rb * s.block_stride
+            dst_addr = d.base_addr + lb * d.block_stride
+            if regions:
+                last = regions[-1]
+                if (
+                    last.src_addr + last.length == src_addr
+                    and last.dst_addr + last.length == dst_addr
+                ):
+                    regions[-1] = Region(last.src_addr, last.dst_addr, last.length + s.block_len)
+                    continue
+            regions.append(Region(src_addr, dst_addr, s.block_len))
+    return regions
+
+
+def chunk(regions: Sequence[Region], max_entries: int) -> list[list[Region]]:
+    if max_entries <= 0:
+        raise PlanError("max_entries must be positive")
+    return [list(regions[i : i + max_entries]) for i in range(0, len(regions), max_entries)]

@@ -1,0 +1,137 @@
+"""Wire formats: the handoff in ``kv_transfer_params`` and the side-channel frames.
+
+Both are versioned msgspec structs. The handoff travels through the proxy as JSON; side-channel
+frames are msgpack over ZeroMQ between a consumer worker and the producer worker of the same rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class HandoffError(ValueError):
+    """``kv_transfer_params`` that cannot be used for a pull."""
+
+
+class Handoff(msgspec.Struct, frozen=True, kw_only=True):
+    """What the producer returns from ``request_finished``; the consumer receives it back."""
+
+    do_remote_prefill: bool = True
+    do_remote_decode: bool = False
+    version: int = PROTOCOL_VERSION
+    transfer_id: str
+    producer_engine_id: str
+    side_channel_host: str
+    side_channel_ports: list[int]  # one per producer TP rank
+    te_segments: list[str] = []  # one per producer TP rank, when known at handoff time
+    remote_block_ids: list[int]
+    prompt_len: int
+    block_size: int
+    compat_hash: str
+
+    def to_params(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+def parse_handoff(params: dict[str, Any]) -> Handoff:
+    """Decode ``kv_transfer_params`` from a client; raises HandoffError naming the problem."""
+    try:
+        h = msgspec.convert(params, Handoff)
+    except msgspec.ValidationError as e:
+        raise HandoffError(f"malformed kv_transfer_params: {e}") from e
+    if h.version != PROTOCOL_VERSION:
+        raise HandoffError(f"handoff version {h.version}, this consumer speaks {PROTOCOL_VERSION}")
+    if not h.transfer_id:
+        raise HandoffError("empty transfer_id")
+    if not h.side_channel_ports:
+        raise HandoffError("no side_channel_ports")
+    return h
+
+
+def validate_handoff(
+    h: Handoff, *, prompt_len: int, block_size: int, compat_hash: str, tp_size: int
+) -> None:
+    """Check a handoff against the request and this consumer; raises HandoffError."""
+    if h.compat_hash != compat_hash:
+        raise HandoffError(
+            f"compat hash mismatch: producer {h.compat_hash[:12]}, consumer {compat_hash[:12]} "
+            "(different model, dtype, KV dtype, block size, layout or TP size)"
+        )
+    if h.prompt_len != prompt_len:
+        raise HandoffError(f"prompt length {prompt_len} differs from the producer's {h.prompt_len}")
+    if h.block_size != block_size:
+        raise HandoffError(f"block size {block_size} differs from the producer's {h.block_size}")
+    need = -(-prompt_len // block_size)
+    if len(h.remote_block_ids) != need:
+        raise HandoffError(
+            f"{len(h.remote_block_ids)} remote blocks for {prompt_len} tokens, expected {need}"
+        )
+    if len(h.side_channel_ports) != tp_size:
+        raise HandoffError(f"producer has {len(h.side_channel_ports)} TP ranks, consumer {tp_size}")
+
+
+def compat_hash(**fields: Any) -> str:
+    """A stable digest of everything both sides must agree on for a raw block copy."""
+    payload = json.dumps({"v": PROTOCOL_VERSION, **fields}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+# ---- side-channel frames -------------------------------------------------------------------
+
+
+class MemSegment(msgspec.Struct, frozen=True, array_like=True):
+    """Where block ``b`` of one KV region lives: ``base_addr + b * block_stride``."""
+
+    base_addr: int
+    block_stride: int
+    block_len: int
+
+
+class Acquire(msgspec.Struct, tag="acquire", frozen=True):
+    """Consumer → producer: pin the lease and tell me where its blocks are."""
+
+    transfer_id: str
+    consumer_engine_id: str
+    remote_block_ids: list[int]
+
+
+class Granted(msgspec.Struct, tag="granted", frozen=True):
+    transfer_id: str
+    te_segment: str
+    segments: list[MemSegment]
+
+
+class Refused(msgspec.Struct, tag="refused", frozen=True):
+    transfer_id: str
+    reason: str
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """Consumer → producer: done with the blocks (``ok`` false when the pull failed)."""
+
+    transfer_id: str
+    ok: bool
+
+
+class Released(msgspec.Struct, tag="released", frozen=True):
+    transfer_id: str
+
+
+Frame = Acquire | Granted | Refused | Release | Released
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+def encode_frame(frame: Frame) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode_frame(data: bytes) -> Frame:
+    """Raises ``msgspec.DecodeError`` (or ValidationError) on a malformed frame."""
+    return _decoder.decode(data)
