@@ -1,0 +1,138 @@
+"""Producer-side leases on held KV blocks.
+
+A finished prefill's blocks stay allocated (vLLM ``delay_free``) until its lease ends. A lease ends
+exactly once, for one reason: released by the consumer, expired (TTL), evicted (held bytes over
+``kv_buffer_size``, oldest first) or superseded (a newer request reused the transfer id). Ended
+leases are reported to vLLM as finished-sending, which frees the blocks; a later acquire of an
+ended lease is refused with the reason, never served stale.
+
+Lifecycle: ``HELD --acquire--> PULLING --release--> ENDED``; HELD/PULLING --ttl/evict--> ENDED.
+A PULLING lease is not evicted, and expires only at its pull deadline, so a live copy is never
+pulled from under the consumer.
+
+Thread-safe: the side-channel thread and the worker's step thread both use it.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class LeaseState(enum.Enum):
+    HELD = "held"
+    PULLING = "pulling"
+    ENDED = "ended"
+
+
+@dataclass
+class Lease:
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    nbytes: int
+    deadline_s: float
+    state: LeaseState = LeaseState.HELD
+    end_reason: str = ""
+
+
+class LeaseTable:
+    def __init__(
+        self,
+        ttl_s: float,
+        budget_bytes: int,
+        pull_hold_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        remember_ended: int = 8192,
+    ):
+        self._ttl_s = ttl_s
+        self._budget_bytes = budget_bytes
+        self._pull_hold_s = pull_hold_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._live: OrderedDict[str, Lease] = OrderedDict()  # by transfer id, oldest first
+        self._ended: OrderedDict[str, str] = OrderedDict()  # transfer id -> reason (bounded)
+        self._remember_ended = remember_ended
+        self._finished_req_ids: set[str] = set()
+        self.ended_counts: dict[str, int] = {}
+
+    def add(self, req_id: str, transfer_id: str, block_ids: list[int], nbytes: int) -> None:
+        with self._lock:
+            old = self._live.get(transfer_id)
+            if old is not None:
+                self._end(old, "superseded")
+            self._live[transfer_id] = Lease(
+                req_id, transfer_id, list(block_ids), nbytes, self._clock() + self._ttl_s
+            )
+            self._enforce_budget()
+
+    def acquire(self, transfer_id: str, block_ids: list[int]) -> Lease | str | None:
+        """The lease, now PULLING; or a refusal reason; or None if the id is not known yet."""
+        with self._lock:
+            lease = self._live.get(transfer_id)
+            if lease is None:
+                reason = self._ended.get(transfer_id)
+                return f"transfer {transfer_id} already {reason}" if reason else None
+            if lease.state is LeaseState.PULLING:
+                return f"transfer {transfer_id} is already being pulled"
+            if not set(block_ids) <= set(lease.block_ids):
+                return f"transfer {transfer_id}: requested blocks are not part of the lease"
+            lease.state = LeaseState.PULLING
+            lease.deadline_s = self._clock() + self._pull_hold_s
+            return lease
+
+    def release(self, transfer_id: str, reason: str = "released") -> bool:
+        with self._lock:
+            lease = self._live.get(transfer_id)
+            if lease is None:
+                return False
+            self._end(lease, reason)
+            return True
+
+    def end_request(self, req_id: str, reason: str) -> None:
+        with self._lock:
+            for lease in [x for x in self._live.values() if x.req_id == req_id]:
+                self._end(lease, reason)
+
+    def expire(self) -> None:
+        now = self._clock()
+        with self._lock:
+            for lease in [x for x in self._live.values() if x.deadline_s <= now]:
+                self._end(lease, "expired")
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            out, self._finished_req_ids = self._finished_req_ids, set()
+            return out
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(x.nbytes for x in self._live.values())
+
+    @property
+    def held_count(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def _enforce_budget(self) -> None:
+        held = sum(x.nbytes for x in self._live.values())
+        for lease in list(self._live.values()):  # oldest first
+            if held <= self._budget_bytes:
+                break
+            if lease.state is LeaseState.HELD:
+                held -= lease.nbytes
+                self._end(lease, "evicted")
+
+    def _end(self, lease: Lease, reason: str) -> None:
+        lease.state, lease.end_reason = LeaseState.ENDED, reason
+        del self._live[lease.transfer_id]
+        self._ended[lease.transfer_id] = reason
+        while len(self._ended) > self._remember_ended:
+            self._ended.popitem(last=False)
+        self._finished_req_ids.add(lease.req_id)
+        self.ended_counts[reason] = self.ended_counts.get(reason, 0) + 1
