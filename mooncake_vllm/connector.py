@@ -1,0 +1,145 @@
+"""``MooncakeConnector``: the class vLLM instantiates, a thin facade over the two halves.
+
+vLLM builds it twice per engine: with role SCHEDULER in the engine-core process (→
+``SchedulerHalf``) and with role WORKER in every worker process (→ ``WorkerHalf``). The halves
+share no memory; the scheduler half speaks to the worker half only through the per-step
+``MooncakeConnectorMetadata``. The config is loaded and validated in both, at construction, so a
+bad config stops vLLM at startup.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from mooncake_vllm.config import load_settings, resolve
+from mooncake_vllm.scheduler import SchedulerHalf
+from mooncake_vllm.stats import MooncakePromMetrics, MooncakeStats
+from mooncake_vllm.step_metadata import MooncakeConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MooncakeHandshake(KVConnectorHandshakeMetadata):
+    """Worker → scheduler at startup: the rank's transfer-engine segment name."""
+
+    te_segment: str
+
+
+class MooncakeConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        settings = load_settings(ktc.kv_connector_extra_config)
+        self._cfg = resolve(
+            settings,
+            ktc.kv_role,
+            ktc.engine_id or "mooncake",
+            vllm_config.parallel_config.tensor_parallel_size,
+            ktc.kv_load_failure_policy,
+        )
+        self._scheduler: SchedulerHalf | None = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(self._cfg, vllm_config)
+        else:
+            from mooncake_vllm.worker import WorkerHalf  # needs torch; workers only
+
+            assert kv_cache_config is not None
+            self._worker = WorkerHalf(self._cfg, vllm_config, kv_cache_config.num_blocks)
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MooncakeConnectorMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return  # pull design: the producer saves nothing, consumers read its blocks
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.get_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def get_kv_connector_stats(self) -> MooncakeStats | None:
+        return self._worker.get_stats() if self._worker is not None else None
+
+    def get_handshake_metadata(self) -> MooncakeHandshake | None:
+        segment = self._worker.te_segment if self._worker is not None else None
+        return MooncakeHandshake(segment) if segment else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        segments = {
+            rank: m.te_segment for rank, m in metadata.items() if isinstance(m, MooncakeHandshake)
+        }
+        if self._scheduler is not None and segments:
+            self._scheduler.set_te_segments(segments)
+
+    # ---- stats (class-level hooks vLLM calls in its logging process) ---------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MooncakeStats:
+        return MooncakeStats(data=data) if data is not None else MooncakeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return MooncakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,30 @@
+"""vLLM general plugin: make the name ``MooncakeConnector`` select this package's connector.
+
+vLLM runs ``vllm.general_plugins`` entry points in every vLLM process before it parses the CLI,
+so ``--kv-transfer-config '{"kv_connector":"MooncakeConnector",...}'`` resolves to ours. vLLM's
+built-in connector stays available as ``VllmMooncakeConnector``; set
+``MOONCAKE_VLLM_KEEP_BUILTIN=1`` to leave the name ``MooncakeConnector`` to vLLM's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+NAME = "MooncakeConnector"
+BUILTIN_ALIAS = "VllmMooncakeConnector"
+
+
+def register() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = KVConnectorFactory._registry  # no public override API in vLLM 0.32
+    builtin = registry.get(NAME)
+    if builtin is not None and BUILTIN_ALIAS not in registry:
+        registry[BUILTIN_ALIAS] = builtin
+    if os.environ.get("MOONCAKE_VLLM_KEEP_BUILTIN", "") not in ("", "0"):
+        return
+    registry.pop(NAME, None)
+    KVConnectorFactory.register_connector(NAME, "mooncake_vllm.connector", "MooncakeConnector")

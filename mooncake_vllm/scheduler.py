@@ -1,0 +1,178 @@
+"""The scheduler half: runs in vLLM's engine-core process, decides, never moves bytes.
+
+Producer: ``request_finished`` keeps the prompt's blocks of every request whose prompt KV is
+complete (length cap and stop/EOS alike), opens a lease for them through the next step's metadata,
+and returns the ``Handoff`` as ``kv_transfer_params``.
+
+Consumer: ``get_num_new_matched_tokens`` claims the prompt tokens the local prefix cache lacks as
+an asynchronous external load; ``update_state_after_alloc`` validates the handoff and records the
+destination blocks. A handoff that fails validation is still claimed and then reported failed by
+the worker, so vLLM's ``kv_load_failure_policy`` (recompute or fail) decides for every bad
+handoff alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.request import RequestStatus
+
+from mooncake_vllm.config import ConnectorConfig
+from mooncake_vllm.protocol import (
+    Handoff,
+    HandoffError,
+    compat_hash,
+    parse_handoff,
+    validate_handoff,
+)
+from mooncake_vllm.step_metadata import HoldSpec, LoadSpec, MooncakeConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+# A finished request whose prompt KV is complete: its blocks can be handed over.
+_HANDOVER_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def engine_compat_hash(vllm_config: VllmConfig) -> str:
+    from vllm.platforms import current_platform
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    return compat_hash(
+        architectures=getattr(mc.hf_config, "architectures", None),
+        layers=mc.get_num_layers(pc),
+        kv_heads=mc.get_num_kv_heads(pc),
+        head_size=mc.get_head_size(),
+        dtype=str(mc.dtype),
+        kv_dtype=cc.cache_dtype,
+        block_size=cc.block_size,
+        tp_size=pc.tensor_parallel_size,
+        device=current_platform.device_type,
+    )
+
+
+class SchedulerHalf:
+    def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig, remember_ids: int = 65536):
+        self._cfg = cfg
+        self._block_size = vllm_config.cache_config.block_size
+        self._compat_hash = engine_compat_hash(vllm_config)
+        self._te_segments: list[str] = []
+        self._loads: dict[str, LoadSpec] = {}
+        self._holds: list[HoldSpec] = []
+        # Consumer: transfer ids already pulled (bounded), to refuse a replayed handoff.
+        self._seen_transfer_ids: OrderedDict[str, str] = OrderedDict()
+        self._remember_ids = remember_ids
+
+    # ---- consumer ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not (self._cfg.is_consumer and params and params.get("do_remote_prefill")):
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not (self._cfg.is_consumer and params and params.get("do_remote_prefill")):
+            return
+        # Called again once the load is done: this flag makes that call (and any later
+        # get_num_new_matched_tokens) a no-op.
+        params["do_remote_prefill"] = False
+        req_id = request.request_id
+        handoff, error = self._check(request, params)
+        if num_external_tokens == 0:
+            # The local prefix cache holds the whole prompt: nothing to pull, free the lease.
+            if handoff is not None:
+                self._loads[req_id] = LoadSpec(req_id, handoff, [], [], error)
+            return
+        local_block_ids = blocks.get_unhashed_block_ids()
+        cached = sum(1 for b in blocks.blocks[0] if b.block_hash is not None)
+        remote_block_ids = handoff.remote_block_ids[cached:] if handoff else []
+        if error is None and len(remote_block_ids) != len(local_block_ids):
+            error = (
+                f"{len(local_block_ids)} local blocks to fill but {len(remote_block_ids)} "
+                f"remote blocks after {cached} locally cached"
+            )
+        if error is not None:
+            logger.warning("request %s: handoff rejected: %s", req_id, error)
+        self._loads[req_id] = LoadSpec(req_id, handoff, remote_block_ids, local_block_ids, error)
+
+    def _check(self, request: Request, params: dict[str, Any]) -> tuple[Handoff | None, str | None]:
+        """The handoff (None when it must not be acted on) and the rejection reason, if any."""
+        try:
+            handoff = parse_handoff(params)
+        except HandoffError as e:
+            return None, str(e)
+        earlier = self._seen_transfer_ids.get(handoff.transfer_id)
+        if earlier is not None and earlier != request.request_id:
+            # Do not touch the producer's lease: it belongs to the first request.
+            return None, f"duplicate transfer id {handoff.transfer_id} (already used by {earlier})"
+        self._seen_transfer_ids[handoff.transfer_id] = request.request_id
+        while len(self._seen_transfer_ids) > self._remember_ids:
+            self._seen_transfer_ids.popitem(last=False)
+        try:
+            validate_handoff(
+                handoff,
+                prompt_len=request.num_prompt_tokens,
+                block_size=self._block_size,
+                compat_hash=self._compat_hash,
+                tp_size=self._cfg.tp_size,
+            )
+        except HandoffError as e:
+            return handoff, str(e)  # still release the producer's lease
+        return handoff, None
+
+    # ---- producer ------------------------------------------------------------------------
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not (self._cfg.is_producer and params and params.get("do_remote_decode")):
+            return False, None
+        prompt_len = request.num_prompt_tokens
+        if request.status not in _HANDOVER_STATUSES or request.num_computed_tokens < prompt_len:
+            return False, None  # aborted or incomplete: nothing to hand over, free now
+        num_blocks = -(-prompt_len // self._block_size)
+        if len(block_ids) < num_blocks:
+            logger.warning("request %s: %d blocks for %d tokens", request.request_id,
+                           len(block_ids), prompt_len)  # fmt: skip
+            return False, None
+        transfer_id = params.get("transfer_id")
+        if not isinstance(transfer_id, str) or not transfer_id:
+            transfer_id = f"{self._cfg.engine_id}/{request.request_id}"
+        prompt_block_ids = list(block_ids[:num_blocks])
+        self._holds.append(HoldSpec(request.request_id, transfer_id, prompt_block_ids))
+        handoff = Handoff(
+            transfer_id=transfer_id,
+            producer_engine_id=self._cfg.engine_id,
+            side_channel_host=self._cfg.host,
+            side_channel_ports=[self._cfg.side_channel_port(r) for r in range(self._cfg.tp_size)],
+            te_segments=list(self._te_segments),
+            remote_block_ids=prompt_block_ids,
+            prompt_len=prompt_len,
+            block_size=self._block_size,
+            compat_hash=self._compat_hash,
+        )
+        return True, handoff.to_params()
+
+    def set_te_segments(self, segments_by_rank: dict[int, str]) -> None:
+        self._te_segments = [segments_by_rank[r] for r in sorted(segments_by_rank)]
+
+    # ---- every step ----------------------------------------------------------------------
+
+    def build_connector_meta(self) -> MooncakeConnectorMetadata:
+        meta = MooncakeConnectorMetadata(loads=list(self._loads.values()), holds=self._holds)
+        self._loads, self._holds = {}, []
+        return meta

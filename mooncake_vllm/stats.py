@@ -1,0 +1,116 @@
+"""Transfer statistics through vLLM's connector-stats hooks.
+
+Workers fill a ``MooncakeStats`` per step (``get_kv_connector_stats``); vLLM aggregates them
+across workers and intervals, logs ``reduce()`` with its periodic stats line, and hands the raw
+data to ``MooncakePromMetrics.observe`` for its Prometheus ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+_COUNTERS = ("pulls", "pull_failures", "bytes", "blocks", "entries", "released", "expired",
+             "evicted", "refused")  # fmt: skip
+
+
+def _empty() -> dict[str, Any]:
+    return {**dict.fromkeys(_COUNTERS, 0), "durations_s": [], "held_leases": None}
+
+
+@dataclass
+class MooncakeStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def record_pull(self, nbytes: int, blocks: int, entries: int, duration_s: float) -> None:
+        self.data["pulls"] += 1
+        self.data["bytes"] += nbytes
+        self.data["blocks"] += blocks
+        self.data["entries"] += entries
+        self.data["durations_s"].append(duration_s)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.data[key] += n
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> MooncakeStats:
+        for key in _COUNTERS:
+            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
+        self.data["durations_s"] = self.data.get("durations_s", []) + list(
+            other.data.get("durations_s", [])
+        )
+        if other.data.get("held_leases") is not None:
+            self.data["held_leases"] = (self.data.get("held_leases") or 0) + other.data[
+                "held_leases"
+            ]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        total_s = sum(d["durations_s"])
+        out: dict[str, int | float] = {k: d[k] for k in _COUNTERS if d[k]}
+        if d["pulls"]:
+            out["avg_pull_ms"] = round(1000 * total_s / d["pulls"], 3)
+            out["MB"] = round(d["bytes"] / 1e6, 3)
+            out["GB/s"] = round(d["bytes"] / total_s / 1e9, 3) if total_s else 0.0
+        if d["held_leases"] is not None:
+            out["held_leases"] = d["held_leases"]
+        return out
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not any(d.get(k) for k in _COUNTERS) and d.get("held_leases") is None
+
+
+class MooncakePromMetrics(KVConnectorPromMetrics):
+    """``mooncake_vllm:*`` series on vLLM's own ``/metrics``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(cls, name, doc, **kw):
+            metric = cls(name=name, documentation=doc, labelnames=labelnames, **kw)
+            return {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+
+        c = self._counter_cls
+        self._counters = {
+            key: per_engine(c, f"mooncake_vllm:{key}", doc)
+            for key, doc in (
+                ("pulls", "KV pulls completed by this consumer"),
+                ("pull_failures", "KV pulls that failed or timed out (then recomputed or failed)"),
+                ("bytes", "KV bytes pulled"),
+                ("blocks", "KV blocks pulled"),
+                ("released", "producer leases released by the consumer"),
+                ("expired", "producer leases ended by TTL"),
+                ("evicted", "producer leases evicted over kv_buffer_size"),
+                ("refused", "pulls the producer refused (unknown, ended or foreign blocks)"),
+            )
+        }
+        self._duration = per_engine(
+            self._histogram_cls,
+            "mooncake_vllm:pull_duration_seconds",
+            "Wall time of one KV pull (side channel + transfer engine)",
+            buckets=[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30],
+        )
+        self._held = per_engine(
+            self._gauge_cls,
+            "mooncake_vllm:held_leases",
+            "Finished prefills whose KV blocks the producer still holds for a consumer",
+            multiprocess_mode="mostrecent",
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metrics in self._counters.items():
+            if transfer_stats_data.get(key):
+                metrics[engine_idx].inc(transfer_stats_data[key])
+        for d in transfer_stats_data.get("durations_s", ()):
+            self._duration[engine_idx].observe(d)
+        if transfer_stats_data.get("held_leases") is not None:
+            self._held[engine_idx].set(transfer_stats_data["held_leases"])

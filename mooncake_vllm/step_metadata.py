@@ -1,0 +1,40 @@
+"""What the scheduler half tells the worker half each step (vLLM's connector metadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from mooncake_vllm.protocol import Handoff
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Pull ``remote_block_ids[i] → local_block_ids[i]`` for one consumer request.
+
+    ``error`` set: the handoff was rejected by the scheduler; the worker reports the load as
+    failed so vLLM's ``kv_load_failure_policy`` decides. ``local_block_ids`` empty with no error:
+    the local prefix cache already holds everything; only release the producer's lease.
+    """
+
+    req_id: str
+    handoff: Handoff | None
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class HoldSpec:
+    """A finished producer request whose blocks wait for a consumer (opens a lease)."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+
+
+@dataclass
+class MooncakeConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    holds: list[HoldSpec] = field(default_factory=list)

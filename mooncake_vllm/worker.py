@@ -1,0 +1,256 @@
+"""The worker half: runs in every vLLM worker process and moves the bytes.
+
+Producer: owns the transfer engine registration of the KV cache, the lease table and the side
+channel server; ended leases are reported as finished-sending, which frees the blocks.
+
+Consumer: each load is one pull job on a small thread pool, off the forward path:
+``Acquire`` (side channel) → plan regions → transfer-engine batch read → ``Release``. The job
+never raises; its outcome is collected by ``get_transfer_results`` on the step thread, so no
+failure is lost. A failed pull is reported in ``failed_recving`` and vLLM's
+``kv_load_failure_policy`` decides. Every pull has a deadline (``load_timeout_s``); reads still in
+flight at the deadline get a bounded grace to settle before the blocks are given back, because the
+transfer engine cannot cancel and a late write must not land in reused blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from mooncake_vllm.config import ConnectorConfig
+from mooncake_vllm.engine import TransferEngine
+from mooncake_vllm.leases import LeaseTable
+from mooncake_vllm.planning import plan_regions, tensor_segments
+from mooncake_vllm.protocol import Acquire, Granted, MemSegment, Refused, Release
+from mooncake_vllm.side_channel import SideChannelClient, SideChannelServer
+from mooncake_vllm.stats import MooncakeStats
+from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+_RELEASE_TIMEOUT_S = 2.0
+
+
+class PullFailed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PullOutcome:
+    req_id: str
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+    blocks: int = 0
+    entries: int = 0
+    duration_s: float = 0.0
+    refused: bool = False
+
+
+def _memory_location(t: torch.Tensor) -> str:
+    # GPU hosts: tell the engine which device owns the memory. CPU: let it detect.
+    return f"cuda:{t.device.index}" if t.device.type == "cuda" else "*"
+
+
+class WorkerHalf:
+    def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig, num_blocks: int):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._cfg = cfg
+        self._tp_rank = get_tensor_model_parallel_rank()
+        self._num_blocks = num_blocks
+        self._engine: TransferEngine | None = None
+        self._segments: list[MemSegment] = []
+        self._bytes_per_block = 0
+        self._leases: LeaseTable | None = None
+        self._server: SideChannelServer | None = None
+        self._client: SideChannelClient | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pulls: dict[str, Future[PullOutcome]] = {}
+        self._stats = MooncakeStats()
+        self._stats_lock = threading.Lock()
+        s = cfg.settings
+        self._late_grace_s = min(s.load_timeout_s, 10.0)
+        if cfg.is_producer:
+            self._leases = LeaseTable(
+                ttl_s=s.lease_ttl_s,
+                budget_bytes=s.kv_buffer_size,
+                # A pinned lease outlives the consumer's whole pull, grace included.
+                pull_hold_s=s.load_timeout_s + self._late_grace_s + 5.0,
+            )
+        if cfg.is_consumer:
+            self._client = SideChannelClient()
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-pull")
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        segments: list[MemSegment] = []
+        storages: dict[int, tuple[int, str]] = {}
+        for name in sorted(kv_caches):  # both sides enumerate layers in the same order
+            t = kv_caches[name]
+            segments += tensor_segments(
+                t.data_ptr(), tuple(t.shape), t.stride(), t.element_size(), self._num_blocks
+            )
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = (st.nbytes(), _memory_location(t))
+        self._segments = segments
+        self._bytes_per_block = sum(s.block_len for s in segments)
+        cfg, s = self._cfg, self._cfg.settings
+        self._engine = TransferEngine(
+            cfg.engine_hostname(self._tp_rank),
+            cfg.metadata_server,
+            s.protocol,
+            s.device_name,
+            env=cfg.engine_env(),
+        )
+        for addr, (nbytes, location) in sorted(storages.items()):
+            self._engine.register(addr, nbytes, location)
+        if self._leases is not None:
+            engine = self._engine
+            self._server = SideChannelServer(
+                cfg.host,
+                cfg.side_channel_port(self._tp_rank),
+                self._leases,
+                layout=lambda: (engine.segment_name, segments),
+            )
+        logger.info(
+            "MooncakeConnector worker rank %d (%s): %d layers, %d segments, %d B/block, "
+            "engine %s, side channel %s",
+            self._tp_rank, cfg.role, len(kv_caches), len(segments), self._bytes_per_block,
+            self._engine.segment_name, self._server.address if self._server else "-",
+        )  # fmt: skip
+
+    @property
+    def te_segment(self) -> str | None:
+        return self._engine.segment_name if self._engine else None
+
+    # ---- every step ----------------------------------------------------------------------
+
+    def start_load_kv(self, meta: MooncakeConnectorMetadata) -> None:
+        if self._leases is not None:
+            for hold in meta.holds:
+                nbytes = len(hold.block_ids) * self._bytes_per_block
+                self._leases.add(hold.req_id, hold.transfer_id, hold.block_ids, nbytes)
+        for load in meta.loads:
+            deadline = time.monotonic() + self._cfg.settings.load_timeout_s
+            assert self._pool is not None, "loads are only planned on a consumer"
+            self._pulls[load.req_id] = self._pool.submit(self._pull, load, deadline)
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        if self._leases is not None:
+            self._leases.expire()
+            results.finished_sending = self._leases.take_finished()
+        for req_id, fut in list(self._pulls.items()):
+            if not fut.done():
+                continue
+            del self._pulls[req_id]
+            outcome = fut.result()  # _pull never raises
+            if outcome.reason == "release-only":
+                continue  # vLLM did not wait on this request
+            results.finished_recving.add(req_id)
+            with self._stats_lock:
+                if outcome.ok:
+                    self._stats.record_pull(
+                        outcome.nbytes, outcome.blocks, outcome.entries, outcome.duration_s
+                    )
+                else:
+                    logger.warning("request %s: KV pull failed: %s", req_id, outcome.reason)
+                    results.failed_recving.add(req_id)
+                    self._stats.count("pull_failures")
+                    if outcome.refused:
+                        self._stats.count("refused")
+        return results
+
+    def get_stats(self) -> MooncakeStats | None:
+        with self._stats_lock:
+            if self._leases is not None:
+                ended = self._leases.ended_counts
+                for key in ("released", "expired", "evicted"):
+                    self._stats.count(key, ended.pop(key, 0))
+                self._stats.data["held_leases"] = self._leases.held_count
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, MooncakeStats()
+            return out
+
+    # ---- the pull ------------------------------------------------------------------------
+
+    def _pull(self, load: LoadSpec, deadline: float) -> PullOutcome:
+        start = time.monotonic()
+        h = load.handoff
+        address = None
+        if h is not None and self._tp_rank < len(h.side_channel_ports):
+            address = f"{h.side_channel_host}:{h.side_channel_ports[self._tp_rank]}"
+        if not load.local_block_ids:
+            if address and h:
+                self._release(address, h.transfer_id, ok=load.error is None)
+            return PullOutcome(load.req_id, ok=True, reason="release-only")
+        acquired = succeeded = False
+        try:
+            if load.error is not None:
+                raise PullFailed(load.error)
+            assert h is not None and address is not None and self._engine is not None
+            reply = self._client.call(
+                address,
+                Acquire(h.transfer_id, self._cfg.engine_id, load.remote_block_ids),
+                timeout_s=max(0.1, deadline - time.monotonic()),
+            )
+            if isinstance(reply, Refused):
+                return PullOutcome(load.req_id, ok=False, reason=reply.reason, refused=True)
+            if not isinstance(reply, Granted):
+                raise PullFailed(f"unexpected reply {type(reply).__name__}")
+            acquired = True
+            regions = plan_regions(
+                reply.segments, self._segments, load.remote_block_ids, load.local_block_ids
+            )
+            read = self._engine.read(
+                reply.te_segment,
+                regions,
+                self._cfg.settings.max_batch_entries,
+                deadline=deadline,
+                settle_deadline=deadline + self._late_grace_s,
+            )
+            succeeded = True
+            return PullOutcome(
+                load.req_id,
+                ok=True,
+                nbytes=read.bytes,
+                blocks=len(load.local_block_ids),
+                entries=read.entries,
+                duration_s=time.monotonic() - start,
+            )
+        except Exception as e:
+            return PullOutcome(load.req_id, ok=False, reason=f"{type(e).__name__}: {e}")
+        finally:
+            if acquired and h is not None and address is not None:
+                self._release(address, h.transfer_id, ok=succeeded)
+
+    def _release(self, address: str, transfer_id: str, ok: bool) -> None:
+        try:
+            self._client.call(address, Release(transfer_id, ok), timeout_s=_RELEASE_TIMEOUT_S)
+        except Exception as e:  # the producer's lease TTL frees the blocks anyway
+            logger.warning("release of %s at %s failed: %s", transfer_id, address, e)
+
+    # ---- teardown ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._server is not None:
+            self._server.close()
+        if self._client is not None:
+            self._client.close()
+        if self._engine is not None:
+            self._engine.close()
