@@ -1,0 +1,72 @@
+"""Prometheus metrics of one proxy app, on its own registry (two apps in one process stay apart)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Prefill of a long prompt on CPU takes seconds; keep buckets up to the default prefill timeout.
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "mooncake_proxy_requests",
+            "Client requests by endpoint and the HTTP status the client got.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.prefill_seconds = Histogram(
+            "mooncake_proxy_prefill_seconds",
+            "Prefill leg: from sending the request to having the prefill's whole answer.",
+            ["backend"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.first_decode_byte_seconds = Histogram(
+            "mooncake_proxy_time_to_first_decode_byte_seconds",
+            "From the client's request arriving to the first byte of the decode's answer body.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "mooncake_proxy_backend_in_flight",
+            "Requests the proxy has outstanding on a backend.",
+            ["role", "backend"],
+            registry=self.registry,
+        )
+        self.backend_errors = Counter(
+            "mooncake_proxy_backend_errors",
+            "Failed backend calls by kind: connect, disconnect, timeout, http_5xx, bad_answer.",
+            ["role", "backend", "kind"],
+            registry=self.registry,
+        )
+        self.ejections = Counter(
+            "mooncake_proxy_backend_ejections",
+            "Times a healthy backend was taken out of rotation.",
+            ["role", "backend"],
+            registry=self.registry,
+        )
+        self.missing_handoff = Counter(
+            "mooncake_proxy_missing_kv_transfer_params",
+            "Prefill answers without kv_transfer_params; the decode then computed the prompt.",
+            ["backend"],
+            registry=self.registry,
+        )
+
+    def declare_backends(self, role: str, urls: Iterable[str]) -> None:
+        """Export zeros for every backend so dashboards see them before the first event."""
+        for url in urls:
+            self.in_flight.labels(role, url).set(0)
+            self.ejections.labels(role, url)
+            if role == "prefill":
+                self.prefill_seconds.labels(url)
+                self.missing_handoff.labels(url)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,179 @@
+"""Backend pools: which backend gets the next request, and which backends are healthy.
+
+No I/O: the app reports what it saw (a request that could not connect, a probe's answer) and asks
+which backend to use and which to probe. Time comes from an injected clock so the backoff
+schedule is testable.
+
+Health lifecycle of one backend::
+
+    healthy --request or probe failed--> ejected --probe ok--> healthy
+                                         ejected --probe failed--> ejected, next probe later
+
+A backend starts healthy, so requests arriving before the first probe are served; the first
+probe is due at once, so a backend that is down at startup is ejected within one probe.
+Ejected backends are re-probed after ``Backoff.delay_s(consecutive_failures)``; healthy ones
+every ``probe_interval_s``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class Policy(str, enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_OUTSTANDING = "least_outstanding"
+
+
+class NoHealthyBackend(RuntimeError):
+    """Every backend of a pool is ejected (or excluded by the caller)."""
+
+    def __init__(self, role: str, configured: int, excluded: int = 0) -> None:
+        detail = f"{configured} configured"
+        if excluded:
+            detail += f", {excluded} already tried"
+        super().__init__(f"no healthy {role} backend ({detail})")
+        self.role = role
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Re-probe delay for an ejected backend: ``initial_s`` doubling per failed probe, capped."""
+
+    initial_s: float = 1.0
+    max_s: float = 30.0
+
+    def delay_s(self, consecutive_failures: int) -> float:
+        exponent = max(consecutive_failures - 1, 0)
+        # Cap the exponent too: 2.0 ** 2000 overflows a float.
+        return min(self.max_s, self.initial_s * 2.0 ** min(exponent, 64))
+
+
+@dataclass(eq=False)
+class Backend:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    next_probe_at_s: float = 0.0  # on the pool's clock
+
+    def snapshot(self, now_s: float) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "consecutive_failures": self.consecutive_failures,
+            "last_error": self.last_error,
+            "next_probe_in_s": round(max(self.next_probe_at_s - now_s, 0.0), 3),
+        }
+
+
+class BackendPool:
+    """The backends of one role (``prefill`` or ``decode``) with their routing and health state."""
+
+    def __init__(
+        self,
+        role: str,
+        urls: Sequence[str],
+        policy: Policy = Policy.ROUND_ROBIN,
+        *,
+        backoff: Backoff = Backoff(),  # frozen: safe to share as a default
+        probe_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not urls:
+            raise ValueError(f"{role} pool needs at least one backend URL")
+        self.role = role
+        self.policy = Policy(policy)
+        self.backoff = backoff
+        self.probe_interval_s = probe_interval_s
+        self._clock = clock
+        now_s = clock()
+        self.backends: tuple[Backend, ...] = tuple(Backend(u, next_probe_at_s=now_s) for u in urls)
+        # Index the next round-robin scan starts from; also breaks least-outstanding ties.
+        self._next_index = 0
+
+    # ---- routing --------------------------------------------------------------------------------
+
+    def pick(self, exclude: Iterable[Backend] = ()) -> Backend:
+        """The backend for the next request; raises NoHealthyBackend when there is none.
+
+        Round robin takes the next healthy backend in configured order. Least outstanding takes
+        the healthy backend with the fewest requests in flight, ties going round robin.
+        """
+        excluded = set(exclude)
+        count = len(self.backends)
+        # Candidates in round-robin order starting at _next_index.
+        order = [(self._next_index + i) % count for i in range(count)]
+        candidates = [
+            i for i in order if self.backends[i].healthy and self.backends[i] not in excluded
+        ]
+        if not candidates:
+            raise NoHealthyBackend(self.role, count, len(excluded))
+        if self.policy is Policy.LEAST_OUTSTANDING:
+            # min() keeps the first of equals, i.e. the earliest in round-robin order.
+            chosen = min(candidates, key=lambda i: self.backends[i].in_flight)
+        else:
+            chosen = candidates[0]
+        self._next_index = (chosen + 1) % count
+        return self.backends[chosen]
+
+    def begin(self, backend: Backend) -> None:
+        backend.in_flight += 1
+
+    def end(self, backend: Backend) -> None:
+        backend.in_flight = max(backend.in_flight - 1, 0)
+
+    # ---- health ---------------------------------------------------------------------------------
+
+    def eject(self, backend: Backend, reason: str) -> bool:
+        """A request could not reach ``backend``. True when this ejected a healthy backend.
+
+        Failures of requests sent before the ejection do not push the next probe further out:
+        only failed probes grow the backoff.
+        """
+        backend.last_error = reason
+        if not backend.healthy:
+            return False
+        backend.healthy = False
+        backend.consecutive_failures = 1
+        backend.next_probe_at_s = self._clock() + self.backoff.delay_s(1)
+        return True
+
+    def probe_failed(self, backend: Backend, reason: str) -> bool:
+        """A health probe failed. True when this ejected a healthy backend."""
+        if backend.healthy:
+            return self.eject(backend, reason)
+        backend.last_error = reason
+        backend.consecutive_failures += 1
+        backend.next_probe_at_s = self._clock() + self.backoff.delay_s(backend.consecutive_failures)
+        return False
+
+    def probe_ok(self, backend: Backend) -> bool:
+        """A health probe succeeded. True when this brought an ejected backend back."""
+        came_back = not backend.healthy
+        backend.healthy = True
+        backend.consecutive_failures = 0
+        backend.last_error = None
+        backend.next_probe_at_s = self._clock() + self.probe_interval_s
+        return came_back
+
+    def due_for_probe(self) -> list[Backend]:
+        now_s = self._clock()
+        return [b for b in self.backends if b.next_probe_at_s <= now_s]
+
+    def seconds_until_next_probe(self) -> float:
+        now_s = self._clock()
+        return max(min(b.next_probe_at_s for b in self.backends) - now_s, 0.0)
+
+    def any_healthy(self) -> bool:
+        return any(b.healthy for b in self.backends)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        now_s = self._clock()
+        return [b.snapshot(now_s) for b in self.backends]

@@ -1,0 +1,389 @@
+"""The proxy's pure parts: request rewriting, validation, routing and health, the command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_vllm.proxy import rewrite
+from mooncake_vllm.proxy.routing import BackendPool, Backoff, NoHealthyBackend, Policy
+from mooncake_vllm.proxy.server import ProxyConfig, build_parser, normalize_backend_url, parse_args
+
+CHAT = rewrite.CHAT_COMPLETIONS_PATH
+COMPLETIONS = rewrite.COMPLETIONS_PATH
+
+# ---- rewrite: the two legs ----------------------------------------------------------------------
+
+CLIENT_HANDOFF = {"do_remote_prefill": True, "transfer_id": "forged", "remote_block_ids": [1]}
+
+
+def test_prefill_leg_asks_for_one_token_and_a_handoff():
+    body = {
+        "model": "tiny",
+        "prompt": "hello",
+        "max_tokens": 50,
+        "min_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 3,
+        "temperature": 0.5,
+        "kv_transfer_params": CLIENT_HANDOFF,
+    }
+    leg = rewrite.build_prefill_body(body, COMPLETIONS, "abc123")
+    assert leg == {
+        "model": "tiny",
+        "prompt": "hello",
+        "max_tokens": 1,
+        "stream": False,
+        "n": 1,
+        "temperature": 0.5,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": "abc123",
+        },
+    }
+    assert body["max_tokens"] == 50 and body["kv_transfer_params"] is CLIENT_HANDOFF  # unchanged
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "expected_max_completion_tokens"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}]}, 1),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}, 1),
+        (COMPLETIONS, {"prompt": "hi"}, None),
+        (COMPLETIONS, {"prompt": "hi", "max_completion_tokens": 9}, 1),
+    ],
+)
+def test_prefill_leg_caps_every_token_limit(path, body, expected_max_completion_tokens):
+    leg = rewrite.build_prefill_body(body, path, "t")
+    assert leg["max_tokens"] == 1
+    assert leg.get("max_completion_tokens") == expected_max_completion_tokens
+
+
+def test_transfer_ids_are_fresh():
+    assert rewrite.new_transfer_id() != rewrite.new_transfer_id()
+
+
+def test_decode_leg_carries_exactly_the_prefill_handoff_and_the_client_options():
+    body = {
+        "prompt": [1, 2, 3],
+        "max_tokens": 20,
+        "stream": True,
+        "n": 2,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": CLIENT_HANDOFF,
+    }
+    handoff = {"do_remote_prefill": True, "transfer_id": "real", "remote_block_ids": [7, 8]}
+    leg = rewrite.build_decode_body(body, handoff)
+    assert leg == {**body, "kv_transfer_params": handoff}
+    assert leg["kv_transfer_params"] is handoff
+
+
+def test_decode_leg_without_handoff_drops_the_client_params():
+    leg = rewrite.build_decode_body({"prompt": "x", "kv_transfer_params": CLIENT_HANDOFF}, None)
+    assert leg == {"prompt": "x"}
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ({"choices": [], "kv_transfer_params": {"transfer_id": "t"}}, {"transfer_id": "t"}),
+        ({"choices": [], "kv_transfer_params": None}, None),
+        ({"choices": []}, None),
+        ({"kv_transfer_params": "garbage"}, None),
+        ([1, 2], None),
+    ],
+)
+def test_handoff_is_read_from_the_top_level_of_the_prefill_answer(answer, expected):
+    assert rewrite.handoff_from_prefill(answer) == expected
+
+
+# ---- rewrite: validation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (COMPLETIONS, {"prompt": "text"}),
+        (COMPLETIONS, {"prompt": ["a", "b"]}),
+        (COMPLETIONS, {"prompt": [1, 2, 3]}),
+        (COMPLETIONS, {"prompt": [[1, 2], [3]]}),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": None, "n": None, "stream": None}),
+        (
+            CHAT,
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 4,
+                "stream": True,
+                "n": 2,
+            },
+        ),
+    ],
+)
+def test_valid_bodies_pass(path, body):
+    rewrite.validate_body(body, path)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (COMPLETIONS, {}, "prompt"),
+        (COMPLETIONS, {"prompt": 5}, "prompt"),
+        (COMPLETIONS, {"prompt": []}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a", 1]}, "prompt"),
+        (COMPLETIONS, {"prompt": [[1], []]}, "prompt"),
+        (COMPLETIONS, {"prompt": [True, False]}, "prompt"),
+        (CHAT, {}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": ["hi"]}, "messages"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": True}, "max_tokens"),
+        (CHAT, {"messages": [{}], "max_completion_tokens": -1}, "max_completion_tokens"),
+        (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream"),
+        (COMPLETIONS, {"prompt": "x", "n": 0}, "n"),
+        (COMPLETIONS, {"prompt": "x", "n": 1.5}, "n"),
+        (COMPLETIONS, {"prompt": "x", "model": 3}, "model"),
+    ],
+)
+def test_invalid_bodies_name_the_field(path, body, param):
+    with pytest.raises(rewrite.InvalidRequest) as info:
+        rewrite.validate_body(body, path)
+    assert info.value.param == param
+    assert param in info.value.message
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b'"text"', b"\xff\xfe", b'{"n": NaN}'])
+def test_parse_body_refuses_anything_but_a_json_object(raw):
+    with pytest.raises(rewrite.InvalidRequest) as info:
+        rewrite.parse_body(raw)
+    assert info.value.param is None
+
+
+# ---- rewrite: headers and backend errors ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("client_auth", "forward", "env_key", "expected"),
+    [
+        ("Bearer client", True, None, "Bearer client"),
+        ("Bearer client", True, "envkey", "Bearer client"),
+        (None, True, "envkey", "Bearer envkey"),
+        ("Bearer proxy-key", False, "envkey", "Bearer envkey"),
+        ("Bearer proxy-key", False, None, None),
+        (None, True, None, None),
+    ],
+)
+def test_backend_authorization(client_auth, forward, env_key, expected):
+    headers = rewrite.backend_headers(
+        request_id="rid",
+        client_authorization=client_auth,
+        forward_client_authorization=forward,
+        env_api_key=env_key,
+    )
+    assert headers.get("Authorization") == expected
+    assert headers["X-Request-Id"] == "rid"
+
+
+@pytest.mark.parametrize(
+    ("client_value", "kept"),
+    [("req-42", True), ("a" * 129, False), ("bad id\n", False), ("", False), (None, False)],
+)
+def test_request_id(client_value, kept):
+    rid = rewrite.request_id_from(client_value)
+    assert (rid == client_value) is kept
+    assert rid
+
+
+def test_backend_error_bodies():
+    openai_shaped = b'{"error": {"message": "too long", "type": "BadRequestError", "code": 400}}'
+    assert rewrite.backend_error_body("decode", 400, openai_shaped)["error"]["message"] == (
+        "too long"
+    )
+    old_vllm = b'{"object": "error", "message": "bad prompt", "type": "BadRequestError"}'
+    wrapped = rewrite.backend_error_body("prefill", 400, old_vllm)["error"]
+    assert wrapped["message"] == "prefill backend answered HTTP 400: bad prompt"
+    assert wrapped["type"] == "BadRequestError"
+    text = rewrite.backend_error_body("decode", 500, b"Internal Server Error")["error"]
+    assert text["message"] == "decode backend answered HTTP 500: Internal Server Error"
+    assert text["type"] == "backend_error"
+
+
+# ---- routing ------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _pool(policy=Policy.ROUND_ROBIN, n=3, clock=None):
+    return BackendPool(
+        "prefill", [f"http://h{i}:1" for i in range(n)], policy, clock=clock or FakeClock()
+    )
+
+
+def _urls(backends):
+    return [b.url.removeprefix("http://").removesuffix(":1") for b in backends]
+
+
+def test_round_robin_cycles_in_configured_order_and_skips_ejected():
+    pool = _pool()
+    assert _urls(pool.pick() for _ in range(4)) == ["h0", "h1", "h2", "h0"]
+    pool.eject(pool.backends[2], "refused")
+    assert _urls(pool.pick() for _ in range(4)) == ["h1", "h0", "h1", "h0"]
+
+
+def test_pick_excludes_backends_already_tried():
+    pool = _pool(n=2)
+    first = pool.pick()
+    assert pool.pick(exclude=[first]) is not first
+    with pytest.raises(NoHealthyBackend, match="no healthy prefill backend"):
+        pool.pick(exclude=pool.backends)
+
+
+def test_least_outstanding_takes_the_idlest_backend_and_rotates_ties():
+    pool = _pool(Policy.LEAST_OUTSTANDING)
+    h0, h1, h2 = pool.backends
+    for backend, count in ((h0, 2), (h1, 0), (h2, 1)):
+        for _ in range(count):
+            pool.begin(backend)
+    assert pool.pick() is h1
+    pool.begin(h1)
+    pool.begin(h1)  # h0=2, h1=2, h2=1
+    assert pool.pick() is h2
+    pool.end(h0)
+    pool.end(h1)  # h0=1, h1=1, h2=1: a tie, taken round robin after h2
+    assert _urls([pool.pick(), pool.pick(), pool.pick()]) == ["h0", "h1", "h2"]
+
+
+def test_in_flight_never_goes_negative():
+    pool = _pool(n=1)
+    pool.end(pool.backends[0])
+    assert pool.backends[0].in_flight == 0
+
+
+def test_no_healthy_backend_when_all_are_ejected():
+    pool = _pool(n=2)
+    for b in pool.backends:
+        assert pool.eject(b, "refused") is True
+    assert not pool.any_healthy()
+    with pytest.raises(NoHealthyBackend) as info:
+        pool.pick()
+    assert info.value.role == "prefill"
+
+
+def test_ejected_backend_is_reprobed_with_exponential_backoff():
+    clock = FakeClock()
+    pool = _pool(n=1, clock=clock)
+    (backend,) = pool.backends
+    assert pool.due_for_probe() == [backend]  # probed at startup
+
+    start_s = clock.now_s
+    assert pool.eject(backend, "connection refused") is True
+    # A second request that was already in flight fails too: no second ejection, same schedule.
+    assert pool.eject(backend, "connection refused") is False
+
+    probe_times = []
+    for _ in range(7):
+        clock.now_s += pool.seconds_until_next_probe()
+        assert pool.due_for_probe() == [backend]
+        probe_times.append(clock.now_s - start_s)
+        assert pool.probe_failed(backend, "still down") is False
+    assert probe_times == [1, 3, 7, 15, 31, 61, 91]  # waits 1, 2, 4, 8, 16, 30, 30
+
+    clock.now_s += pool.seconds_until_next_probe()
+    assert pool.probe_ok(backend) is True
+    assert backend.healthy and backend.consecutive_failures == 0 and backend.last_error is None
+    assert pool.pick() is backend
+    assert pool.seconds_until_next_probe() == pool.probe_interval_s
+
+
+def test_failed_probe_of_a_healthy_backend_ejects_it():
+    clock = FakeClock()
+    pool = _pool(n=1, clock=clock)
+    (backend,) = pool.backends
+    assert pool.probe_failed(backend, "HTTP 503") is True
+    assert not backend.healthy
+    assert backend.next_probe_at_s == clock.now_s + 1.0
+
+
+@pytest.mark.parametrize(
+    ("failures", "delay_s"), [(0, 1), (1, 1), (2, 2), (5, 16), (6, 30), (5000, 30)]
+)
+def test_backoff_delay(failures, delay_s):
+    assert Backoff(initial_s=1.0, max_s=30.0).delay_s(failures) == delay_s
+
+
+# ---- configuration and command line -------------------------------------------------------------
+
+
+def test_help_lists_every_flag():
+    text = build_parser().format_help()
+    for flag in (
+        "--prefill",
+        "--decode",
+        "--host",
+        "--port",
+        "--policy",
+        "--api-key",
+        "--timeout-s",
+        "--prefill-timeout-s",
+        "--connect-timeout-s",
+        "--max-body-bytes",
+        "--log-level",
+        "round_robin",
+        "least_outstanding",
+    ):
+        assert flag in text
+
+
+def test_defaults_bind_loopback():
+    cfg = parse_args(["--prefill", "http://127.0.0.1:8100/", "--decode", "http://127.0.0.1:8200"])
+    assert cfg.host == "127.0.0.1" and cfg.port == 8000
+    assert cfg.prefill == ["http://127.0.0.1:8100"]
+    assert cfg.policy is Policy.ROUND_ROBIN
+    assert (cfg.timeout_s, cfg.prefill_timeout_s, cfg.connect_timeout_s) == (300, 120, 5)
+    assert cfg.max_body_bytes == 10 * 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--prefill", "localhost:8100", "--decode", "http://h:1"], "--prefill"),
+        (["--prefill", "http://h:1", "--decode", "ftp://h:2"], "--decode"),
+        (["--prefill", "http://h:1", "--decode", "http://h:2/v1"], "--decode"),
+        (["--prefill", "http://h:99999", "--decode", "http://h:2"], "--prefill"),
+        (
+            ["--prefill", "http://h:1", "--prefill", "http://h:1/", "--decode", "http://h:2"],
+            "--prefill: listed more than once",
+        ),
+        (["--prefill", "http://h:1", "--decode", "http://h:2", "--timeout-s", "0"], "--timeout-s"),
+    ],
+)
+def test_bad_flags_exit_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("url", "normalized"),
+    [
+        ("http://127.0.0.1:8100", "http://127.0.0.1:8100"),
+        ("https://example.org/", "https://example.org"),
+        ("http://[::1]:8000", "http://[::1]:8000"),
+    ],
+)
+def test_backend_url_normalization(url, normalized):
+    assert normalize_backend_url(url) == normalized
+
+
+def test_config_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="bogus"):
+        ProxyConfig(prefill=["http://h:1"], decode=["http://h:2"], bogus=1)
