@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 P2P_HANDSHAKE = "P2PHANDSHAKE"
@@ -82,6 +89,16 @@ class MooncakeSettings(BaseModel):
             "'http://host:port/metadata', or a bare 'host:port' with metadata_backend"
         )
 
+    @model_validator(mode="after")
+    def _check_backend(self) -> MooncakeSettings:
+        bare = self.metadata_server != P2P_HANDSHAKE and "://" not in self.metadata_server
+        if bare and self.metadata_backend == "redis":
+            raise ValueError(
+                "metadata_backend='redis' is not supported by the PyPI transfer-engine wheels "
+                "(it aborts the process); use 'etcd' or 'http'"
+            )
+        return self
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -143,6 +160,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             accepted = ", ".join(MooncakeSettings.model_fields)
             lines.append(f"unknown key {key!r} (accepted keys: {accepted})")
+        elif not e["loc"]:  # a check across keys: its message names them
+            lines.append(e["msg"].removeprefix("Value error, "))
         else:
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"{key}={e.get('input')!r}: {msg}")
@@ -165,7 +184,8 @@ def load_settings(
                 f"{CONFIG_PATH_ENV}={path!r} cannot be read ({e.strerror}); point it to a "
                 "readable Mooncake json file, or unset it and use kv_connector_extra_config"
             ) from e
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            # json files are UTF-8 (RFC 8259); other bytes are a config problem, not a crash.
             raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} is not valid JSON: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} must hold a JSON object")

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from mooncake_vllm.config import load_settings, resolve
+from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.scheduler import SchedulerHalf
 from mooncake_vllm.stats import MooncakePromMetrics, MooncakeStats
 from mooncake_vllm.step_metadata import MooncakeConnectorMetadata
@@ -51,6 +52,7 @@ class MooncakeConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        use_vllm_logging()  # also when loaded by kv_connector_module_path, without the plugin
         ktc = vllm_config.kv_transfer_config
         settings = load_settings(ktc.kv_connector_extra_config)
         self._cfg = resolve(
@@ -120,7 +122,7 @@ class MooncakeConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

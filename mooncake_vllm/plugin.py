@@ -17,9 +17,24 @@ NAME = "MooncakeConnector"
 BUILTIN_ALIAS = "VllmMooncakeConnector"
 
 
+def use_vllm_logging() -> None:
+    """Send this package's log records through vLLM's handlers (its format, its level).
+
+    vLLM configures only the ``vllm`` logger; without this our INFO lines would be dropped and
+    warnings printed bare by Python's last-resort handler."""
+    ours, theirs = logging.getLogger("mooncake_vllm"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    use_vllm_logging()
     registry = KVConnectorFactory._registry  # no public override API in vLLM 0.32
     builtin = registry.get(NAME)
     if builtin is not None and BUILTIN_ALIAS not in registry:

@@ -14,6 +14,7 @@ handoff alike.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+IDLE_STEP_PAUSE_S = 0.005
 
 # A finished request whose prompt KV is complete: its blocks can be handed over.
 _HANDOVER_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -172,7 +175,14 @@ class SchedulerHalf:
 
     # ---- every step ----------------------------------------------------------------------
 
-    def build_connector_meta(self) -> MooncakeConnectorMetadata:
+    def build_connector_meta(self, num_scheduled_tokens: int) -> MooncakeConnectorMetadata:
         meta = MooncakeConnectorMetadata(loads=list(self._loads.values()), holds=self._holds)
         self._loads, self._holds = {}, []
+        if num_scheduled_tokens == 0 and not meta.loads and not meta.holds:
+            # vLLM steps back to back while a finished request's blocks are held for a consumer
+            # or a request waits for its KV, even with nothing to compute. Unthrottled, those
+            # empty steps take whole cores from the transfer itself (2-core hosts stalled pulls
+            # for seconds); a short pause bounds them at the cost of <= IDLE_STEP_PAUSE_S of
+            # latency to notice a finished transfer.
+            time.sleep(IDLE_STEP_PAUSE_S)
         return meta

@@ -16,19 +16,37 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 _COUNTERS = ("pulls", "pull_failures", "bytes", "blocks", "entries", "released", "expired",
-             "evicted", "refused")  # fmt: skip
+             "evicted", "refused", "acquire_s", "read_s")  # fmt: skip
 
 
 def _empty() -> dict[str, Any]:
+    # held_leases is a point-in-time value per TP rank ({rank: count}): aggregation keeps the
+    # newest value of each rank instead of summing over steps.
     return {**dict.fromkeys(_COUNTERS, 0), "durations_s": [], "held_leases": None}
+
+
+def _held(data: dict[str, Any]) -> int | None:
+    """Leases held by the producer: every rank holds the same ones, so the max over ranks."""
+    held = data.get("held_leases")
+    return max(held.values()) if held else None
 
 
 @dataclass
 class MooncakeStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=_empty)
 
-    def record_pull(self, nbytes: int, blocks: int, entries: int, duration_s: float) -> None:
+    def record_pull(
+        self,
+        nbytes: int,
+        blocks: int,
+        entries: int,
+        duration_s: float,
+        acquire_s: float = 0.0,
+        read_s: float = 0.0,
+    ) -> None:
         self.data["pulls"] += 1
+        self.data["acquire_s"] += acquire_s
+        self.data["read_s"] += read_s
         self.data["bytes"] += nbytes
         self.data["blocks"] += blocks
         self.data["entries"] += entries
@@ -46,27 +64,32 @@ class MooncakeStats(KVConnectorStats):
         self.data["durations_s"] = self.data.get("durations_s", []) + list(
             other.data.get("durations_s", [])
         )
-        if other.data.get("held_leases") is not None:
-            self.data["held_leases"] = (self.data.get("held_leases") or 0) + other.data[
-                "held_leases"
-            ]
+        if other.data.get("held_leases"):
+            self.data["held_leases"] = {
+                **(self.data.get("held_leases") or {}),
+                **other.data["held_leases"],
+            }
         return self
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         total_s = sum(d["durations_s"])
-        out: dict[str, int | float] = {k: d[k] for k in _COUNTERS if d[k]}
+        out: dict[str, int | float] = {
+            k: d[k] for k in _COUNTERS if d[k] and k not in ("acquire_s", "read_s")
+        }
         if d["pulls"]:
             out["avg_pull_ms"] = round(1000 * total_s / d["pulls"], 3)
+            out["avg_acquire_ms"] = round(1000 * d["acquire_s"] / d["pulls"], 3)
+            out["avg_read_ms"] = round(1000 * d["read_s"] / d["pulls"], 3)
             out["MB"] = round(d["bytes"] / 1e6, 3)
             out["GB/s"] = round(d["bytes"] / total_s / 1e9, 3) if total_s else 0.0
-        if d["held_leases"] is not None:
-            out["held_leases"] = d["held_leases"]
+        if (held := _held(d)) is not None:
+            out["held_leases"] = held
         return out
 
     def is_empty(self) -> bool:
         d = self.data
-        return not any(d.get(k) for k in _COUNTERS) and d.get("held_leases") is None
+        return not any(d.get(k) for k in _COUNTERS) and not d.get("held_leases")
 
 
 class MooncakePromMetrics(KVConnectorPromMetrics):
@@ -112,5 +135,5 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                 metrics[engine_idx].inc(transfer_stats_data[key])
         for d in transfer_stats_data.get("durations_s", ()):
             self._duration[engine_idx].observe(d)
-        if transfer_stats_data.get("held_leases") is not None:
-            self._held[engine_idx].set(transfer_stats_data["held_leases"])
+        if (held := _held(transfer_stats_data)) is not None:
+            self._held[engine_idx].set(held)

@@ -54,6 +54,8 @@ class PullOutcome:
     blocks: int = 0
     entries: int = 0
     duration_s: float = 0.0
+    acquire_s: float = 0.0  # side-channel round trip, producer wait included
+    read_s: float = 0.0  # transfer-engine batch read
     refused: bool = False
 
 
@@ -163,7 +165,12 @@ class WorkerHalf:
             with self._stats_lock:
                 if outcome.ok:
                     self._stats.record_pull(
-                        outcome.nbytes, outcome.blocks, outcome.entries, outcome.duration_s
+                        outcome.nbytes,
+                        outcome.blocks,
+                        outcome.entries,
+                        outcome.duration_s,
+                        acquire_s=outcome.acquire_s,
+                        read_s=outcome.read_s,
                     )
                 else:
                     logger.warning("request %s: KV pull failed: %s", req_id, outcome.reason)
@@ -179,7 +186,7 @@ class WorkerHalf:
                 ended = self._leases.ended_counts
                 for key in ("released", "expired", "evicted"):
                     self._stats.count(key, ended.pop(key, 0))
-                self._stats.data["held_leases"] = self._leases.held_count
+                self._stats.data["held_leases"] = {str(self._tp_rank): self._leases.held_count}
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, MooncakeStats()
@@ -212,6 +219,7 @@ class WorkerHalf:
             if not isinstance(reply, Granted):
                 raise PullFailed(f"unexpected reply {type(reply).__name__}")
             acquired = True
+            acquired_at = time.monotonic()
             regions = plan_regions(
                 reply.segments, self._segments, load.remote_block_ids, load.local_block_ids
             )
@@ -223,6 +231,11 @@ class WorkerHalf:
                 settle_deadline=deadline + self._late_grace_s,
             )
             succeeded = True
+            logger.debug(
+                "request %s: pulled %d blocks (%d B, %d entries) from %s: acquire %.1f ms, "
+                "read %.1f ms", load.req_id, len(load.local_block_ids), read.bytes, read.entries,
+                reply.te_segment, 1000 * (acquired_at - start), 1000 * read.duration_s,
+            )  # fmt: skip
             return PullOutcome(
                 load.req_id,
                 ok=True,
@@ -230,6 +243,8 @@ class WorkerHalf:
                 blocks=len(load.local_block_ids),
                 entries=read.entries,
                 duration_s=time.monotonic() - start,
+                acquire_s=acquired_at - start,
+                read_s=read.duration_s,
             )
         except Exception as e:
             return PullOutcome(load.req_id, ok=False, reason=f"{type(e).__name__}: {e}")
