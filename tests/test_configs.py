@@ -1,0 +1,23 @@
+"""Every example in configs/ is a valid config for both sides of a pair."""
+
+from pathlib import Path
+
+import pytest
+
+from mooncake_vllm.config import CONFIG_PATH_ENV, load_settings, resolve
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))
+
+
+def test_there_are_examples():
+    assert CONFIGS
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_example_config_resolves(path, role):
+    settings = load_settings(None, {CONFIG_PATH_ENV: str(path)})
+    cfg = resolve(settings, role, engine_id="e", tp_size=1)
+    own = settings.prefill_url if role == "kv_producer" else settings.decode_url
+    assert cfg.engine_hostname(0) == own
+    assert cfg.metadata_server
