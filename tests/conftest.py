@@ -61,3 +61,78 @@ def module_servers(request):
 def _no_process_left_behind():
     yield
     servers.stop_all()
+
+
+# ---- the shared disaggregated cluster ---------------------------------------------------------
+# vLLM takes minutes to start on 2 cores, so one plain server, one prefill/decode pair and one
+# kv_both server serve every test module that needs them; they start together, once.
+
+LEASE_TTL_S = 10.0
+LOAD_TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_model, tmp_path_factory):
+    from mooncake_vllm.testing.pd import (
+        DECODE_HOST,
+        PREFILL_HOST,
+        ServerSpec,
+        kv_args,
+        mooncake_json,
+        start_many,
+    )
+
+    cfg = mooncake_json(tmp_path_factory.mktemp("pd") / "mooncake.json")
+    env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
+    specs = [
+        # The plain reference runs its worker in the engine-core process: one import less.
+        ServerSpec("plain", args=["--distributed-executor-backend", "uni"]),
+        ServerSpec(
+            "prefill", PREFILL_HOST, kv_args("kv_producer", {"lease_ttl_s": LEASE_TTL_S}), env
+        ),
+        ServerSpec(
+            "decode",
+            DECODE_HOST,
+            kv_args(
+                "kv_consumer",
+                {"load_timeout_s": LOAD_TIMEOUT_S},
+                kv_load_failure_policy="recompute",
+            ),
+            env,
+        ),
+    ]
+    # A kv_both instance on its own "host", failing (not recomputing) requests whose load fails.
+    both_args = kv_args(
+        "kv_both",
+        {"prefill_url": "127.0.0.4:13020", "load_timeout_s": LOAD_TIMEOUT_S},
+        kv_load_failure_policy="fail",
+    )
+    specs.append(
+        ServerSpec("both", "127.0.0.4", [*both_args, "--distributed-executor-backend", "uni"], env)
+    )
+    started = start_many(tiny_model, specs)
+    c = Cluster(tiny_model, *started, config_path=cfg)
+    yield c
+    if c.dump_logs:
+        for srv in started:
+            proc = srv.process
+            print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
+    for srv in reversed(started):
+        srv.stop()
+
+
+class Cluster:
+    def __init__(self, model, plain, prefill, decode, both, config_path):
+        self.model, self.plain, self.prefill, self.decode = model, plain, prefill, decode
+        self.both = both
+        self.config_path = config_path
+        self.lease_ttl_s, self.load_timeout_s = LEASE_TTL_S, LOAD_TIMEOUT_S
+        self.dump_logs = False
+
+
+@pytest.fixture
+def pd(cluster, request):
+    """The shared cluster; its logs are printed at session end if a test using it failed."""
+    yield cluster
+    if _failed(request):
+        cluster.dump_logs = True

@@ -72,21 +72,16 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     assert _gone(child)
 
 
-def test_plain_vllm_greedy_is_deterministic(tiny_model, log_on_failure):
-    srv = servers.start_vllm(tiny_model, name="plain")
-    log_on_failure(srv)
-    try:
-        body = {
-            "model": tiny_model,
-            "prompt": "the cache block moves",
-            "max_tokens": 16,
-            "temperature": 0,
-        }
-        a = servers.http_json(f"{srv.url}/v1/completions", body)
-        b = servers.http_json(f"{srv.url}/v1/completions", body)
-        assert a["choices"][0]["text"] == b["choices"][0]["text"]
-        assert a["usage"]["completion_tokens"] == 16
-        assert srv.metrics()["vllm:prompt_tokens_total"] > 0
-    finally:
-        srv.stop()
-    assert not srv.process.alive
+def test_plain_vllm_greedy_is_deterministic(pd):
+    srv = pd.plain
+    body = {
+        "model": pd.model,
+        "prompt": "the cache block moves",
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    a = servers.http_json(f"{srv.url}/v1/completions", body)
+    b = servers.http_json(f"{srv.url}/v1/completions", body)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["usage"]["completion_tokens"] == 16
+    assert srv.metrics()["vllm:prompt_tokens_total"] > 0

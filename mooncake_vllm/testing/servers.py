@@ -167,6 +167,20 @@ class VllmServer:
                 out[name] = out.get(name, 0.0) + float(value)
         return out
 
+    def metric(self, name: str, **labels: str) -> float:
+        """One Prometheus sample summed over the series whose labels include ``labels``."""
+        total = 0.0
+        for line in http_text(f"{self.url}/metrics").splitlines():
+            if not line.startswith(name) or line.startswith("#"):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            sample, _, label_text = name_labels.partition("{")
+            if sample != name:
+                continue
+            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+                total += float(value)
+        return total
+
     def stop(self) -> None:
         self.process.stop()
 

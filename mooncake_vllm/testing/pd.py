@@ -1,0 +1,149 @@
+"""A prefill/decode pair of real vLLM servers wired with MooncakeConnector, and a two-leg client.
+
+Shared by the tests, the demo and the benchmarks. The pair plays two hosts on one machine:
+prefill on 127.0.0.2, decode on 127.0.0.3, TCP transport, P2P-handshake metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from mooncake_vllm.testing.servers import VllmServer, start_vllm
+
+PREFILL_HOST, DECODE_HOST = "127.0.0.2", "127.0.0.3"
+
+
+def mooncake_json(path: Path, **overrides: Any) -> Path:
+    """Write a Mooncake-format config (one file for both sides) and return its path."""
+    cfg = {
+        "prefill_url": f"{PREFILL_HOST}:13003",
+        "decode_url": f"{DECODE_HOST}:13012",
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": "tcp",
+        "device_name": "",
+        **overrides,
+    }
+    path.write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def kv_args(role: str, extra: Mapping[str, Any] | None = None, **top: Any) -> list[str]:
+    """``--kv-transfer-config`` selecting our connector by the name the plugin registers."""
+    cfg: dict[str, Any] = {"kv_connector": "MooncakeConnector", "kv_role": role, **top}
+    if extra:
+        cfg["kv_connector_extra_config"] = dict(extra)
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    host: str = "127.0.0.1"
+    args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def start_many(
+    model: str,
+    specs: Sequence[ServerSpec],
+    timeout_s: float = 900.0,
+    log_dir: Path | None = None,
+):
+    """Start servers concurrently (vLLM start is mostly single-threaded imports); all or none."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [
+            pool.submit(
+                start_vllm,
+                model,
+                name=s.name,
+                host=s.host,
+                args=s.args,
+                env=s.env,
+                timeout_s=timeout_s,
+                log_dir=log_dir,
+            )
+            for s in specs
+        ]
+        started, error = [], None
+        for f in futures:
+            try:
+                started.append(f.result())
+            except Exception as e:  # re-raised below, after cleanup
+                error = error or e
+    if error is not None:
+        for srv in started:
+            srv.stop()
+        raise error
+    return started
+
+
+# ---- two-leg client -----------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+async def complete(
+    session: aiohttp.ClientSession, server: VllmServer | str, body: dict[str, Any]
+) -> Answer:
+    """One /v1/completions call (streamed when ``body["stream"]``), with token ids collected."""
+    url = server if isinstance(server, str) else server.url
+    body = {"return_token_ids": True, **body}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        if not body.get("stream"):
+            data = await resp.json()
+            choice = data["choices"][0]
+            return Answer(
+                choice["text"], list(choice.get("token_ids") or []), choice["finish_reason"],
+                data.get("kv_transfer_params"),
+            )  # fmt: skip
+        text, ids, finish = [], [], None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            for choice in event.get("choices", []):
+                text.append(choice.get("text") or "")
+                ids.extend(choice.get("token_ids") or [])
+                finish = choice.get("finish_reason") or finish
+        return Answer("".join(text), ids, finish)
+
+
+async def two_legs(
+    session: aiohttp.ClientSession,
+    prefill: VllmServer | str,
+    decode: VllmServer | str,
+    body: dict[str, Any],
+    prefill_extra: Mapping[str, Any] | None = None,
+) -> tuple[Answer, Answer]:
+    """Prefill with ``max_tokens=1`` and ``do_remote_decode``, then decode with its handoff."""
+    first = {
+        **body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": str(uuid.uuid4())},
+        **(prefill_extra or {}),
+    }
+    head = await complete(session, prefill, first)
+    if head.kv_transfer_params is None:
+        raise RuntimeError("prefill returned no kv_transfer_params")
+    tail = await complete(session, decode, {**body, "kv_transfer_params": head.kv_transfer_params})
+    return head, tail

@@ -1,0 +1,270 @@
+"""MooncakeConnector end to end: real prefill and decode vLLM servers, the real transfer engine
+over TCP with P2P-handshake metadata, compared token for token with a plain vLLM.
+
+The client here does both legs itself (the proxy has its own tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+
+import aiohttp
+import pytest
+
+from mooncake_vllm.testing.pd import (
+    complete,
+    two_legs,
+)
+
+pytestmark = pytest.mark.servers
+
+BLOCK = 128  # vLLM's CPU block size
+MAX_TOKENS = 12
+# Around every block boundary, from one token to ~1500.
+LENGTHS = [1, 2, 7, 31, 64, 127, 128, 129, 200, 255, 256, 257, 300, 383, 384, 385, 450, 511, 512,
+           513, 640, 767, 768, 769, 900, 1000, 1023, 1024, 1025, 1200, 1400, 1500]  # fmt: skip
+
+
+def prompts(seed: int, lengths=LENGTHS) -> list[list[int]]:
+    """Random token-id prompts; a distinct seed per test keeps decode's prefix cache cold."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2048) for _ in range(n)] for n in lengths]
+
+
+def blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def body(model: str, prompt, **kw) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+
+
+def prefill_body(model: str, prompt) -> dict:
+    """A prefill leg sent by hand: one token, handoff requested."""
+    params = {"do_remote_decode": True, "transfer_id": str(uuid.uuid4())}
+    return body(model, prompt, max_tokens=1, kv_transfer_params=params)
+
+
+async def eventually(check, timeout_s: float = 15.0, interval_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():
+                return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            assert check()
+        await asyncio.sleep(interval_s)
+
+
+def nothing_held(srv) -> bool:
+    return srv.metric("mooncake_vllm:held_leases") == 0 and srv.metric(
+        "vllm:kv_cache_usage_perc"
+    ) == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        yield s
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+async def test_outputs_equal_plain_and_prompts_arrive_by_transfer(pd, http, stream):
+    batch = prompts(seed=100 + stream)
+    ext0 = pd.decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    pulls0, blocks0 = (
+        pd.decode.metric("mooncake_vllm:pulls_total"),
+        pd.decode.metric("mooncake_vllm:blocks_total"),
+    )
+    bytes0 = pd.decode.metric("mooncake_vllm:bytes_total")
+    mismatches = []
+    for prompt in batch:
+        ref = await complete(http, pd.plain, body(pd.model, prompt))
+        head, tail = await two_legs(
+            http, pd.prefill, pd.decode, body(pd.model, prompt, stream=stream)
+        )
+        assert head.kv_transfer_params["remote_block_ids"], head.kv_transfer_params
+        assert len(tail.token_ids) == MAX_TOKENS
+        if tail.token_ids != ref.token_ids:
+            mismatches.append((len(prompt), ref.token_ids, tail.token_ids))
+    assert not mismatches, f"decode differs from plain for (len, plain, decode): {mismatches}"
+
+    # Decode's own counters: every prompt token but the last (which vLLM always computes) came
+    # from the external transfer, and each handoff was one pull of all the prompt's blocks.
+    expected = sum(len(p) for p in batch)
+    await eventually(lambda: pd.decode.metric("mooncake_vllm:pulls_total") - pulls0 == len(batch))
+    ext = pd.decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert expected - len(batch) <= ext - ext0 <= expected
+    assert pd.decode.metric("mooncake_vllm:blocks_total") - blocks0 == sum(
+        blocks(len(p)) for p in batch
+    )
+    assert pd.decode.metric("mooncake_vllm:bytes_total") > bytes0
+    assert pd.decode.metric("mooncake_vllm:pull_failures_total") == 0
+    await eventually(lambda: nothing_held(pd.prefill))
+
+
+async def test_prefill_ending_on_a_stop_token_still_hands_over(pd, http):
+    prompt = prompts(seed=7, lengths=[300])[0]
+    ref = await complete(http, pd.plain, body(pd.model, prompt))
+    pulls0 = pd.decode.metric("mooncake_vllm:pulls_total")
+    # The one token prefill produces is made a stop token: the request ends FINISHED_STOPPED.
+    head, tail = await two_legs(
+        http, pd.prefill, pd.decode, body(pd.model, prompt),
+        prefill_extra={"stop_token_ids": [ref.token_ids[0]]},
+    )  # fmt: skip
+    assert head.finish_reason == "stop"
+    assert head.kv_transfer_params["remote_block_ids"]
+    assert tail.token_ids == ref.token_ids
+    await eventually(lambda: pd.decode.metric("mooncake_vllm:pulls_total") == pulls0 + 1)
+
+
+async def test_warm_prefix_cache_pulls_only_missing_blocks(pd, http):
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 2048) for _ in range(3 * BLOCK)]
+    first = shared + [rng.randrange(3, 2048) for _ in range(2 * BLOCK + 10)]
+    second = shared + [rng.randrange(3, 2048) for _ in range(BLOCK + 50)]
+    await two_legs(http, pd.prefill, pd.decode, body(pd.model, first))
+    await eventually(lambda: nothing_held(pd.prefill))
+
+    blocks0 = pd.decode.metric("mooncake_vllm:blocks_total")
+    hits0 = pd.decode.metric("vllm:prefix_cache_hits_total")
+    ref = await complete(http, pd.plain, body(pd.model, second))
+    _, tail = await two_legs(http, pd.prefill, pd.decode, body(pd.model, second))
+    assert tail.token_ids == ref.token_ids
+    await eventually(
+        lambda: pd.decode.metric("mooncake_vllm:blocks_total") - blocks0 == blocks(len(second)) - 3
+    )
+    assert pd.decode.metric("vllm:prefix_cache_hits_total") - hits0 == 3 * BLOCK
+    await eventually(lambda: nothing_held(pd.prefill))
+
+
+async def test_request_without_params_is_computed_locally_on_decode(pd, http):
+    prompt = prompts(seed=13, lengths=[200])[0]
+    pulls0 = pd.decode.metric("mooncake_vllm:pulls_total")
+    ref = await complete(http, pd.plain, body(pd.model, prompt))
+    got = await complete(http, pd.decode, body(pd.model, prompt))
+    assert got.token_ids == ref.token_ids
+    assert pd.decode.metric("mooncake_vllm:pulls_total") == pulls0
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        pytest.param(lambda p: {**p, "transfer_id": f"unknown-{uuid.uuid4()}"}, id="unknown-id"),
+        pytest.param(lambda p: {**p, "compat_hash": "0" * 64}, id="wrong-compat-hash"),
+        pytest.param(lambda p: {**p, "remote_block_ids": p["remote_block_ids"][:1]}, id="short"),
+        pytest.param(lambda p: {"do_remote_prefill": True, "transfer_id": 5}, id="garbage"),
+    ],
+)
+async def test_bad_handoff_recomputes_within_the_deadline(pd, http, mangle):
+    prompt = prompts(seed=17, lengths=[400])[0]
+    ref = await complete(http, pd.plain, body(pd.model, prompt))
+    head = await complete(http, pd.prefill, prefill_body(pd.model, prompt))
+    failures0 = pd.decode.metric("mooncake_vllm:pull_failures_total")
+    t0 = time.monotonic()
+    got = await complete(
+        http, pd.decode, body(pd.model, prompt, kv_transfer_params=mangle(head.kv_transfer_params))
+    )
+    assert time.monotonic() - t0 < pd.load_timeout_s + 5
+    assert got.token_ids == ref.token_ids  # recomputed locally (kv_load_failure_policy=recompute)
+    await eventually(lambda: pd.decode.metric("mooncake_vllm:pull_failures_total") == failures0 + 1)
+    # The genuine lease is released by the rejecting decode, or else expires.
+    await eventually(lambda: nothing_held(pd.prefill), timeout_s=pd.lease_ttl_s + 10)
+
+
+async def test_unpulled_lease_expires_and_a_late_pull_is_refused(pd, http):
+    prompt = prompts(seed=19, lengths=[333])[0]
+    ref = await complete(http, pd.plain, body(pd.model, prompt))
+    expired0 = pd.prefill.metric("mooncake_vllm:expired_total")
+    head = await complete(http, pd.prefill, prefill_body(pd.model, prompt))
+    await eventually(lambda: pd.prefill.metric("mooncake_vllm:held_leases") == 1, timeout_s=5)
+    await eventually(lambda: nothing_held(pd.prefill), timeout_s=pd.lease_ttl_s + 10)
+    assert pd.prefill.metric("mooncake_vllm:expired_total") == expired0 + 1
+
+    refused0 = pd.decode.metric("mooncake_vllm:refused_total")
+    got = await complete(
+        http, pd.decode, body(pd.model, prompt, kv_transfer_params=head.kv_transfer_params)
+    )
+    assert got.token_ids == ref.token_ids
+    # The consumer counts the producer's refusal; its pull failed and it recomputed.
+    await eventually(lambda: pd.decode.metric("mooncake_vllm:refused_total") == refused0 + 1)
+
+
+async def test_aborted_requests_free_their_blocks_on_both_sides(pd, http):
+    prompt = prompts(seed=23, lengths=[1500])[0]
+    # Prefill aborted by the client while computing: nothing is held.
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(complete(http, pd.prefill, prefill_body(pd.model, prompt)), 0.05)
+    await eventually(lambda: nothing_held(pd.prefill))
+
+    # Decode aborted while its load may be in flight: the lease is still released.
+    head = await complete(http, pd.prefill, prefill_body(pd.model, prompt))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(
+            complete(
+                http, pd.decode,
+                body(pd.model, prompt, max_tokens=200, stream=True,
+                     kv_transfer_params=head.kv_transfer_params),
+            ),
+            timeout=0.05,
+        )  # fmt: skip
+    await eventually(lambda: nothing_held(pd.prefill))
+    await eventually(lambda: nothing_held(pd.decode))
+
+
+# ---- kv_both, and the fail policy ---------------------------------------------------------------
+
+
+@pytest.fixture
+def both(pd):
+    """The cluster's kv_both instance ("host" 127.0.0.4), with kv_load_failure_policy=fail."""
+    return pd.both
+
+
+async def test_kv_both_instance_consumes_and_produces(pd, both, http):
+    a, b = prompts(seed=29, lengths=[260, 700])
+    ref_a = await complete(http, pd.plain, body(pd.model, a))
+    _, tail = await two_legs(http, pd.prefill, both, body(pd.model, a))  # both as consumer
+    assert tail.token_ids == ref_a.token_ids
+    ref_b = await complete(http, pd.plain, body(pd.model, b))
+    pulls0 = pd.decode.metric("mooncake_vllm:pulls_total")
+    _, tail = await two_legs(http, both, pd.decode, body(pd.model, b))  # both as producer
+    assert tail.token_ids == ref_b.token_ids
+    await eventually(lambda: pd.decode.metric("mooncake_vllm:pulls_total") == pulls0 + 1)
+    assert both.metric("mooncake_vllm:pulls_total") >= 1
+    await eventually(lambda: nothing_held(both))
+
+
+async def test_fail_policy_gives_a_clear_error_within_the_deadline(pd, both, http):
+    prompt = prompts(seed=31, lengths=[300])[0]
+    bogus = {
+        "do_remote_prefill": True,
+        "transfer_id": f"never-issued-{uuid.uuid4()}",
+        "producer_engine_id": "nobody",
+        "side_channel_host": "127.0.0.2",
+        "side_channel_ports": [13004],
+        "te_segments": ["127.0.0.2:1"],
+        "remote_block_ids": [1, 2, 3],
+        "prompt_len": 300,
+        "block_size": BLOCK,
+        "compat_hash": "0" * 64,
+    }
+    t0 = time.monotonic()
+    async with http.post(
+        f"{both.url}/v1/completions", json=body(pd.model, prompt, kv_transfer_params=bogus)
+    ) as resp:
+        text = await resp.text()
+    assert time.monotonic() - t0 < pd.load_timeout_s + 5
+    assert resp.status >= 400 or '"error"' in text, text
+    assert json.loads(text)  # an error document, not a hang or an empty body
+    # The instance still serves afterwards.
+    ref = await complete(http, pd.plain, body(pd.model, prompt))
+    got = await complete(http, both, body(pd.model, prompt))
+    assert got.token_ids == ref.token_ids
