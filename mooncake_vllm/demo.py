@@ -20,11 +20,17 @@ import threading
 import time
 from pathlib import Path
 
-import aiohttp
 from tqdm import tqdm
 
 from mooncake_vllm.testing import servers
-from mooncake_vllm.testing.pd import DECODE_HOST, PREFILL_HOST, ServerSpec, kv_args, mooncake_json
+from mooncake_vllm.testing.pd import (
+    DECODE_HOST,
+    PREFILL_HOST,
+    ServerSpec,
+    client_session,
+    kv_args,
+    mooncake_json,
+)
 from mooncake_vllm.testing.pd import start_many as _start_many
 from mooncake_vllm.testing.tiny_model import build_tiny_model
 
@@ -116,7 +122,7 @@ def _quote(arg: str) -> str:
 
 
 async def send_requests(proxy_url: str, model: str) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+    async with client_session() as http:
         for i, prompt in enumerate(PROMPTS, 1):
             body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0}
             t0 = time.perf_counter()

@@ -83,6 +83,13 @@ def compat_hash(**fields: Any) -> str:
 
 
 # ---- side-channel frames -------------------------------------------------------------------
+# The frame version is part of every tag ("acquire/1"): a peer speaking another version gets its
+# frames dropped as malformed (and logged), never misread.
+FRAME_VERSION = 1
+
+
+def _tag(kind: str) -> str:
+    return f"{kind}/{FRAME_VERSION}"
 
 
 class MemSegment(msgspec.Struct, frozen=True, array_like=True):
@@ -93,7 +100,7 @@ class MemSegment(msgspec.Struct, frozen=True, array_like=True):
     block_len: int
 
 
-class Acquire(msgspec.Struct, tag="acquire", frozen=True):
+class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     """Consumer → producer: pin the lease and tell me where its blocks are."""
 
     transfer_id: str
@@ -101,25 +108,25 @@ class Acquire(msgspec.Struct, tag="acquire", frozen=True):
     remote_block_ids: list[int]
 
 
-class Granted(msgspec.Struct, tag="granted", frozen=True):
+class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):
     transfer_id: str
     te_segment: str
     segments: list[MemSegment]
 
 
-class Refused(msgspec.Struct, tag="refused", frozen=True):
+class Refused(msgspec.Struct, tag=_tag("refused"), frozen=True):
     transfer_id: str
     reason: str
 
 
-class Release(msgspec.Struct, tag="release", frozen=True):
+class Release(msgspec.Struct, tag=_tag("release"), frozen=True):
     """Consumer → producer: done with the blocks (``ok`` false when the pull failed)."""
 
     transfer_id: str
     ok: bool
 
 
-class Released(msgspec.Struct, tag="released", frozen=True):
+class Released(msgspec.Struct, tag=_tag("released"), frozen=True):
     transfer_id: str
 
 

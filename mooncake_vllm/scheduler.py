@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IDLE_STEP_PAUSE_S = 0.005
+IDLE_STEP_PAUSE_S = 0.002
 
 # A finished request whose prompt KV is complete: its blocks can be handed over.
 _HANDOVER_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)

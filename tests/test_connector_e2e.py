@@ -12,10 +12,10 @@ import random
 import time
 import uuid
 
-import aiohttp
 import pytest
 
 from mooncake_vllm.testing.pd import (
+    client_session,
     complete,
     two_legs,
 )
@@ -71,7 +71,7 @@ def nothing_held(srv) -> bool:
 
 @pytest.fixture
 async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+    async with client_session() as s:
         yield s
 
 

@@ -628,8 +628,9 @@ def test_frame_round_trip(frame):
         msgspec.msgpack.encode([1, 2, 3]),
         msgspec.msgpack.encode({"transfer_id": "t-1"}),  # no tag
         msgspec.msgpack.encode({"type": "acquire_v2", "transfer_id": "t-1"}),  # unknown kind
-        msgspec.msgpack.encode({"type": "release", "transfer_id": "t-1"}),  # field missing
-        msgspec.msgpack.encode({"type": "release", "transfer_id": "t-1", "ok": "yes"}),
+        msgspec.msgpack.encode({"type": "release/1", "transfer_id": "t-1"}),  # field missing
+        msgspec.msgpack.encode({"type": "release/1", "transfer_id": "t-1", "ok": "yes"}),
+        msgspec.msgpack.encode({"type": "release/2", "transfer_id": "t-1", "ok": True}),  # version
         encode_frame(Released("t-1"))[:-2],  # truncated
     ],
     ids=repr,

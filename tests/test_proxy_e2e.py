@@ -13,11 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from mooncake_vllm.testing import servers
-from mooncake_vllm.testing.pd import complete
+from mooncake_vllm.testing.pd import client_session, complete
 
 pytestmark = pytest.mark.servers
 
@@ -43,7 +42,7 @@ def proxy(cluster):
 
 @pytest.fixture
 async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+    async with client_session() as s:
         yield s
 
 

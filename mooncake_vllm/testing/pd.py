@@ -88,6 +88,15 @@ def start_many(
 # ---- two-leg client -----------------------------------------------------------------------------
 
 
+def client_session(total_timeout_s: float = 300.0) -> aiohttp.ClientSession:
+    """An HTTP client for vLLM servers. Idle connections are dropped after 2 s, before vLLM's
+    5 s keep-alive closes them from its side (reusing one it just closed fails the request)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(keepalive_timeout=2.0),
+        timeout=aiohttp.ClientTimeout(total=total_timeout_s),
+    )
+
+
 @dataclass
 class Answer:
     text: str
