@@ -55,21 +55,32 @@ def say(msg: str) -> None:
 
 
 def watch_start(logs: dict[str, Path], done: threading.Event) -> None:
-    """One progress bar per server, advanced as its log reaches each stage."""
+    """Show how far each server has come, from the stage its log has reached: a progress bar
+    per server on a terminal, a line per stage change (and a heartbeat) otherwise."""
+    tty = sys.stderr.isatty()
     bars = {
         name: tqdm(total=len(STAGES), desc=f"{name:>7}", position=i, leave=True,
                    bar_format="{desc}: {n}/{total} |{bar:20}| {elapsed} {postfix}")
         for i, name in enumerate(logs)
-    }  # fmt: skip
+    } if tty else {}  # fmt: skip
+    reached_n = dict.fromkeys(logs, 0)
+    started, beat = time.monotonic(), time.monotonic()
     while True:
         for name, path in logs.items():
             text = path.read_text(errors="replace") if path.exists() else ""
             reached = [label for marker, label in STAGES if marker in text]
-            bar = bars[name]
-            if len(reached) > bar.n:
-                bar.update(len(reached) - bar.n)
-                bar.set_postfix_str(reached[-1])
+            if len(reached) > reached_n[name]:
+                reached_n[name] = len(reached)
+                if tty:
+                    bars[name].update(len(reached) - bars[name].n)
+                    bars[name].set_postfix_str(reached[-1])
+                else:
+                    say(f"{name}: {reached[-1]} ({time.monotonic() - started:.0f} s)")
+        for bar in bars.values():
             bar.refresh()
+        if not tty and time.monotonic() - beat > 30:
+            beat = time.monotonic()
+            say(f"still starting ({beat - started:.0f} s)")
         if done.wait(1.0):
             break
     for bar in bars.values():
@@ -179,7 +190,7 @@ def report(prefill: servers.VllmServer, decode: servers.VllmServer) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--proxy-port", type=int, default=8000)
+    ap.add_argument("--proxy-port", type=int, default=None, help="(default: a free port)")
     ap.add_argument("--keep-running", action="store_true", help="serve until Ctrl-C")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -193,11 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         prefill, decode = start_servers(model, workdir, log_dir)
         started += [prefill, decode]
         say(f"prefill {prefill.url}, decode {decode.url} up after {time.monotonic() - t0:.0f} s")
-        proxy_url = f"http://127.0.0.1:{args.proxy_port}"
+        proxy_port = args.proxy_port or servers.free_port()
+        proxy_url = f"http://127.0.0.1:{proxy_port}"
         proxy = servers.ManagedProcess(
             "proxy",
             [sys.executable, "-m", "mooncake_vllm.proxy.server", "--prefill", prefill.url,
-             "--decode", decode.url, "--port", str(args.proxy_port)],
+             "--decode", decode.url, "--port", str(proxy_port)],
             log_dir / "proxy.log",
         ).start()  # fmt: skip
         started.append(proxy)

@@ -180,9 +180,8 @@ class SchedulerHalf:
         self._loads, self._holds = {}, []
         if num_scheduled_tokens == 0 and not meta.loads and not meta.holds:
             # vLLM steps back to back while a finished request's blocks are held for a consumer
-            # or a request waits for its KV, even with nothing to compute. Unthrottled, those
-            # empty steps take whole cores from the transfer itself (2-core hosts stalled pulls
-            # for seconds); a short pause bounds them at the cost of <= IDLE_STEP_PAUSE_S of
-            # latency to notice a finished transfer.
+            # or a request waits for its KV, even with nothing to compute: unthrottled, the
+            # engine-core and worker processes each burn a core for as long as that lasts. A
+            # short pause bounds that, at <= IDLE_STEP_PAUSE_S of latency to see a transfer end.
             time.sleep(IDLE_STEP_PAUSE_S)
         return meta

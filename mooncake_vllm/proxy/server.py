@@ -215,3 +215,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg.policy.value,
     )
     asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()
