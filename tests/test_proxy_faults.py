@@ -645,7 +645,7 @@ async def test_proxy_script_serves_and_stops_cleanly_on_sigterm(prefill, decode,
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        await wait_for_listener(f"http://127.0.0.1:{port}", timeout_s=20)
+        await wait_for_listener(f"http://127.0.0.1:{port}", timeout_s=60)  # a loaded CI box
         async with client.post(
             f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}
         ) as resp:

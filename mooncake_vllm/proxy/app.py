@@ -320,24 +320,42 @@ class Proxy:
         connection failure is retried once on another healthy prefill; an HTTP error is not.
         """
         pool = self.pools["prefill"]
+        leg_body = rewrite.build_prefill_body(body, path, rewrite.new_transfer_id())
+        backend, status, raw, _, took_s = await self._exchange(
+            pool, started_s, "POST", path, json=leg_body, headers=headers
+        )
+        self.metrics.prefill_seconds.labels(backend.url).observe(took_s)
+        logger.info("%s prefill %s -> %d", g.request_id, backend.url, status)
+        return self._handoff(pool, backend, status, raw)
+
+    async def _exchange(
+        self, pool: BackendPool, started_s: float, method: str, path: str, **request: Any
+    ) -> tuple[Backend, int, bytes, str, float]:
+        """One short request to a healthy backend of ``pool``, read whole.
+
+        Returns the backend, status, body, content type and duration. A connection failure
+        ejects the backend and is retried once on another (safe for the prefill leg and for
+        reads); a timeout gives 504; an HTTP error status is returned for the caller to judge.
+        """
         tried: list[Backend] = []
         last: BackendFailure | None = None
         while len(tried) < 2:
             backend = self.pick(pool, tried, last)
-            deadline = LegDeadline.of(self.cfg, started_s, prefill=True)
-            leg_body = rewrite.build_prefill_body(body, path, rewrite.new_transfer_id())
+            deadline = LegDeadline.of(self.cfg, started_s, prefill=pool.role == "prefill")
             sent_s = time.monotonic()
             try:
                 with InFlight(pool, backend, self.metrics):
-                    async with self.session.post(
+                    async with self.session.request(
+                        method,
                         backend.url + path,
-                        json=leg_body,
-                        headers=headers,
                         timeout=self.timeout(deadline.timeout_s),
+                        **request,
                     ) as resp:
-                        status, raw = resp.status, await resp.read()
+                        raw = await resp.read()
+                        content_type = resp.headers.get("Content-Type", "application/json")
+                        return backend, resp.status, raw, content_type, time.monotonic() - sent_s
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                failure = classify(e, "prefill", backend.url, deadline)
+                failure = classify(e, pool.role, backend.url, deadline)
                 if failure is None:
                     raise
                 self.record_failure(pool, backend, failure)
@@ -346,10 +364,6 @@ class Proxy:
                 logger.warning("%s %s", g.request_id, failure.message)
                 tried.append(backend)
                 last = failure
-                continue
-            self.metrics.prefill_seconds.labels(backend.url).observe(time.monotonic() - sent_s)
-            logger.info("%s prefill %s -> %d", g.request_id, backend.url, status)
-            return self._handoff(pool, backend, status, raw)
         assert last is not None
         raise ProxyError.of(502, last.message, "backend_error")
 
@@ -465,36 +479,12 @@ class Proxy:
 
     async def models(self, headers: dict[str, str], started_s: float) -> Response:
         """``GET /v1/models`` from a healthy decode (any decode serves the same model)."""
-        pool = self.pools["decode"]
-        tried: list[Backend] = []
-        last: BackendFailure | None = None
-        while len(tried) < 2:
-            backend = self.pick(pool, tried, last)
-            deadline = LegDeadline.of(self.cfg, started_s, prefill=False)
-            try:
-                with InFlight(pool, backend, self.metrics):
-                    async with self.session.get(
-                        backend.url + "/v1/models",
-                        headers=headers,
-                        timeout=self.timeout(deadline.timeout_s),
-                    ) as resp:
-                        status, raw = resp.status, await resp.read()
-                        content_type = resp.headers.get("Content-Type", "application/json")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                failure = classify(e, "decode", backend.url, deadline)
-                if failure is None:
-                    raise
-                self.record_failure(pool, backend, failure)
-                if failure.kind is FailureKind.TIMEOUT:
-                    raise ProxyError.of(504, failure.message, "timeout") from e
-                tried.append(backend)
-                last = failure
-                continue
-            if not 200 <= status < 300:
-                raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
-            return Response(raw, status=status, content_type=content_type)
-        assert last is not None
-        raise ProxyError.of(502, last.message, "backend_error")
+        _, status, raw, content_type, _ = await self._exchange(
+            self.pools["decode"], started_s, "GET", "/v1/models", headers=headers
+        )
+        if not 200 <= status < 300:
+            raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
+        return Response(raw, status=status, content_type=content_type)
 
 
 def _abandon(response: aiohttp.ClientResponse, in_flight: InFlight) -> None:
