@@ -102,14 +102,15 @@ def cluster(tiny_model, tmp_path_factory):
         ),
     ]
     # A kv_both instance on its own "host", failing (not recomputing) requests whose load fails.
+    # It selects the connector the explicit way, with vLLM's plugins off, so that form is proven.
     both_args = kv_args(
         "kv_both",
         {"prefill_url": "127.0.0.4:13020", "load_timeout_s": LOAD_TIMEOUT_S},
         kv_load_failure_policy="fail",
+        kv_connector_module_path="mooncake_vllm.connector",
     )
-    specs.append(
-        ServerSpec("both", "127.0.0.4", [*both_args, "--distributed-executor-backend", "uni"], env)
-    )
+    both_args += ["--distributed-executor-backend", "uni"]
+    specs.append(ServerSpec("both", "127.0.0.4", both_args, {**env, "VLLM_PLUGINS": ""}))
     started = start_many(tiny_model, specs)
     c = Cluster(tiny_model, *started, config_path=cfg)
     yield c
