@@ -26,6 +26,7 @@ lint: setup
 # Quick versions of the three benchmarks (a few minutes); BENCH_ARGS=--full for the real sweep.
 bench: setup
 	$(PY) -m benchmarks.proxy $(BENCH_ARGS)
+	$(PY) -m benchmarks.transfer $(BENCH_ARGS)
 
 format: setup
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import proxy
+from benchmarks import proxy, transfer
 
 COMMON_KEYS = {"benchmark", "command", "machine", "versions", "settings", "notes", "rows"}
 
@@ -33,3 +33,13 @@ def test_proxy_benchmark_writes_table_json_and_plot(tmp_path, capsys):
     doc = _check_outputs(tmp_path, "proxy", capsys, {"target", "p50_ms", "p99_ms", "max_rps"})
     assert {r["target"] for r in doc["rows"]} == set(proxy.TARGETS)
     assert {s["phase"] for s in doc["samples"]} == {"latency", "throughput"}
+
+
+def test_transfer_benchmark_writes_table_json_and_plot(tmp_path, capsys):
+    rc = transfer.main(
+        ["--out-dir", str(tmp_path), "--reps", "1", "--tokens", "128", "--shapes", "tiny"]
+    )
+    assert rc == 0
+    doc = _check_outputs(tmp_path, "transfer", capsys, {"tokens", "ours_GB/s", "ours/raw"})
+    assert {s["method"] for s in doc["samples"]} == set(transfer.METHODS)
+    assert {r["layout"] for r in doc["rows"]} == {"scattered", "contiguous"}
