@@ -27,6 +27,7 @@ lint: setup
 bench: setup
 	$(PY) -m benchmarks.proxy $(BENCH_ARGS)
 	$(PY) -m benchmarks.transfer $(BENCH_ARGS)
+	$(PY) -m benchmarks.serving $(BENCH_ARGS)
 
 format: setup
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

@@ -4,8 +4,12 @@ PNG. Tiny sizes, no timing asserts (CI machines are noisy)."""
 from __future__ import annotations
 
 import json
+import sys
 
-from benchmarks import proxy, transfer
+import pytest
+
+from benchmarks import proxy, serving, transfer
+from mooncake_vllm.testing import servers
 
 COMMON_KEYS = {"benchmark", "command", "machine", "versions", "settings", "notes", "rows"}
 
@@ -43,3 +47,31 @@ def test_transfer_benchmark_writes_table_json_and_plot(tmp_path, capsys):
     doc = _check_outputs(tmp_path, "transfer", capsys, {"tokens", "ours_GB/s", "ours/raw"})
     assert {s["method"] for s in doc["samples"]} == set(transfer.METHODS)
     assert {r["layout"] for r in doc["rows"]} == {"scattered", "contiguous"}
+
+
+@pytest.mark.servers
+def test_serving_benchmark_on_the_shared_cluster(pd, tmp_path, capsys):
+    """One request per setup through the serving benchmark's client and writer, on the suite's
+    plain server and prefill/decode pair behind our proxy (vLLM's built-in connector is left to
+    ``make bench``: its servers would cost minutes to start)."""
+    port = servers.free_port()
+    proc = servers.ManagedProcess(
+        "bench-proxy",
+        [sys.executable, "-m", "mooncake_vllm.proxy.server", "--prefill", pd.prefill.url,
+         "--decode", pd.decode.url, "--port", str(port), "--log-level", "warning"],
+        tmp_path / "proxy.log",
+    ).start()  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_until(lambda: servers.http_text(f"{url}/health") is not None, 60, "healthy")
+        stack = serving.Stack.attach(pd.model, pd.plain, pd.prefill, pd.decode, url, tmp_path)
+        samples, cells = serving.sweep(stack, [200], [1], requests=1, rounds=1, seed=1)
+    finally:
+        proc.stop()
+    serving.record(tmp_path, stack, {"mode": "smoke"}, samples, cells)
+    doc = _check_outputs(
+        tmp_path, "serving", capsys, {"config", "ttft_p50", "itl_p99", "kv_ms/req"}
+    )
+    assert {r["config"] for r in doc["rows"]} == {"plain", "ours"}
+    ours = next(r for r in doc["rows"] if r["config"] == "ours")
+    assert ours["kv_ms/req"] == ours["kv_ms/req"]  # not NaN: the decode pulled the prompt

@@ -1,0 +1,474 @@
+"""What disaggregation costs a client: plain vLLM vs our 1P1D vs vLLM's built-in connector 1P1D.
+
+    python -m benchmarks.serving [--full] [--out-dir artifacts/bench] [--no-builtin]
+
+Three setups of the tiny local model on this machine, started together and measured interleaved
+(a b c a b c ...) so drift hits all alike:
+
+- ``plain``: one vLLM server;
+- ``ours``: prefill (127.0.0.2) + decode (127.0.0.3) with this package's MooncakeConnector
+  (TCP, P2P handshake), behind our proxy (``mooncake_vllm.proxy.server``);
+- ``builtin``: prefill (127.0.0.4) + decode (127.0.0.5) with vLLM's built-in MooncakeConnector
+  (``VllmMooncakeConnector``), behind ``benchmarks.builtin_proxy`` (its docs' proxy protocol),
+  its bootstrap server on 127.0.0.4 (``benchmarks.builtin_bootstrap``). **Runtime workaround**:
+  its servers get ``benchmarks/builtin_cpu_workaround`` on ``PYTHONPATH``, a sitecustomize that
+  makes ``torch.accelerator.current_device_index()`` answer 0 on CPU-only torch (that one call
+  crashes its worker otherwise). vLLM's files are not modified.
+
+Workload: seeded random token-id prompts of fixed lengths, 32 output tokens (``ignore_eos``),
+greedy, streamed; a fixed number of requests per cell at concurrency 1 and 4. Client-side TTFT,
+TPOT, ITL; KV transfer time per request from the connectors' own counters (ours: decode's
+``mooncake_vllm:pull_duration_seconds``; built-in: its "KV Transfer metrics" log lines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from tqdm import tqdm
+
+from benchmarks import common
+from mooncake_vllm.testing import servers
+from mooncake_vllm.testing.pd import ServerSpec, kv_args, mooncake_json, start_many
+from mooncake_vllm.testing.tiny_model import build_tiny_model
+
+CONFIGS = ["plain", "ours", "builtin"]
+OUTPUT_TOKENS = 32
+VOCAB_LOW, VOCAB_HIGH = 10, 2000  # the tiny model's vocabulary is 2048 ids
+WORKAROUND_DIR = Path(__file__).parent / "builtin_cpu_workaround"
+WORKAROUND_NOTE = (
+    "built-in connector servers ran with benchmarks/builtin_cpu_workaround on PYTHONPATH: a "
+    "sitecustomize making torch.accelerator.current_device_index() return 0 on CPU-only torch "
+    "(vLLM 0.32's built-in MooncakeConnector crashes there otherwise); vLLM's files unmodified"
+)
+OURS_P, OURS_D, BUILTIN_P, BUILTIN_D = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"
+MAX_MODEL_LEN = 2304
+STATS_ENV = {"VLLM_LOG_STATS_INTERVAL": "1"}
+
+
+class Stack:
+    """Every server of the three setups; ``stop()`` ends them all."""
+
+    def __init__(self, with_builtin: bool, workdir: Path, log_dir: Path):
+        self.with_builtin = with_builtin
+        self.workdir, self.log_dir = workdir, log_dir
+        self.started: list = []
+        self.urls: dict[str, str] = {}
+
+    @classmethod
+    def attach(cls, model: str, plain, prefill, decode, proxy_url: str, log_dir: Path) -> Stack:
+        """Servers someone else started and stops (the test suite's shared cluster): plain and
+        ours only."""
+        stack = cls(False, log_dir, log_dir)
+        stack.model = model
+        stack.vllm = {"plain": plain, "ours-prefill": prefill, "ours-decode": decode}
+        stack.urls = {"plain": plain.url, "ours": proxy_url}
+        return stack
+
+    def start(self) -> None:
+        model = str(build_tiny_model())
+        self.model = model
+        common_args = ["--max-model-len", str(MAX_MODEL_LEN)]
+        cfg = mooncake_json(
+            self.workdir / "mooncake.json",
+            prefill_url=f"{OURS_P}:13003",
+            decode_url=f"{OURS_D}:13012",
+        )
+        ours_env = {"MOONCAKE_CONFIG_PATH": str(cfg), **STATS_ENV}
+        specs = [
+            ServerSpec("plain", "127.0.0.1", common_args, STATS_ENV),
+            ServerSpec("ours-prefill", OURS_P, [*common_args, *kv_args("kv_producer")], ours_env),
+            ServerSpec(
+                "ours-decode",
+                OURS_D,
+                [*common_args, *kv_args("kv_consumer", kv_load_failure_policy="recompute")],
+                ours_env,
+            ),
+        ]
+        if self.with_builtin:
+            bootstrap_port = servers.free_port(BUILTIN_P)
+            self.bootstrap_url = f"http://{BUILTIN_P}:{bootstrap_port}"
+            boot = servers.ManagedProcess(
+                "builtin-bootstrap",
+                [sys.executable, "-m", "benchmarks.builtin_bootstrap", "--host", BUILTIN_P,
+                 "--port", str(bootstrap_port)],
+                self.log_dir / "builtin-bootstrap.log",
+            ).start()  # fmt: skip
+            self.started.append(boot)
+            boot.wait_until(
+                lambda: servers.http_json(f"{self.bootstrap_url}/query") is not None,
+                120,
+                "serving /query",
+            )
+            specs += [
+                self._builtin_spec("builtin-prefill", BUILTIN_P, "kv_producer", bootstrap_port),
+                self._builtin_spec("builtin-decode", BUILTIN_D, "kv_consumer", bootstrap_port),
+            ]
+        started = start_many(model, specs, timeout_s=1200, log_dir=self.log_dir)
+        self.started += started
+        self.vllm = {s.name: srv for s, srv in zip(specs, started, strict=True)}
+        self.urls["plain"] = self.vllm["plain"].url
+        self.urls["ours"] = self._proxy(
+            "ours-proxy",
+            ["mooncake_vllm.proxy.server", "--prefill", self.vllm["ours-prefill"].url,
+             "--decode", self.vllm["ours-decode"].url, "--log-level", "warning"],
+        )  # fmt: skip
+        if self.with_builtin:
+            self.urls["builtin"] = self._proxy(
+                "builtin-proxy",
+                ["benchmarks.builtin_proxy", "--prefill", self.vllm["builtin-prefill"].url,
+                 "--decode", self.vllm["builtin-decode"].url, "--bootstrap", self.bootstrap_url],
+            )  # fmt: skip
+
+    def _builtin_spec(self, name: str, host: str, role: str, bootstrap_port: int) -> ServerSpec:
+        cfg = {
+            "kv_connector": "VllmMooncakeConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "mooncake_protocol": "tcp",
+                "bootstrap_server_address": f"{BUILTIN_P}:{bootstrap_port}",
+            },
+        }
+        pythonpath = os.pathsep.join(
+            p for p in (str(WORKAROUND_DIR), os.environ.get("PYTHONPATH", "")) if p
+        )
+        env = {
+            "PYTHONPATH": pythonpath,
+            "VLLM_HOST_IP": host,
+            "MC_FORCE_TCP": "1",
+            "MC_TCP_BIND_ADDRESS": host,
+            **STATS_ENV,
+        }
+        args = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-transfer-config", json.dumps(cfg)]
+        return ServerSpec(name, host, args, env)
+
+    def _proxy(self, name: str, argv: list[str]) -> str:
+        port = servers.free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = servers.ManagedProcess(
+            name, [sys.executable, "-m", *argv, "--port", str(port)], self.log_dir / f"{name}.log"
+        ).start()
+        self.started.append(proc)
+        proc.wait_until(lambda: servers.http_text(f"{url}/health") is not None, 60, "healthy")
+        return url
+
+    def stop(self) -> None:
+        for s in reversed(self.started):
+            s.stop()
+        servers.stop_all()
+
+
+# ---- one request, streamed ----------------------------------------------------------------------
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int]):
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"{url}: stream error {event['error']}")
+            if any(c.get("text") for c in event.get("choices", [])):
+                arrivals.append(time.perf_counter())
+    end = time.perf_counter()
+    if not arrivals:
+        raise RuntimeError(f"{url}: no tokens streamed")
+    ttft = arrivals[0] - t0
+    itls = [b - a for a, b in itertools.pairwise(arrivals)]
+    tpot = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else 0.0
+    return {
+        "ttft_ms": ttft * 1000,
+        "tpot_ms": tpot * 1000,
+        "itl_ms": [x * 1000 for x in itls],
+        "latency_ms": (end - t0) * 1000,
+        "chunks": len(arrivals),
+    }
+
+
+async def run_batch(url: str, model: str, prompts: list[list[int]], concurrency: int):
+    """``prompts`` through ``url`` with at most ``concurrency`` in flight; (results, wall s)."""
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def go(i, p):
+            async with sem:
+                return {"index": i, **await one_request(session, url, model, p)}
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(go(i, p) for i, p in enumerate(prompts)))
+        return results, time.perf_counter() - t0
+
+
+# ---- the connectors' own counters ---------------------------------------------------------------
+
+_BUILTIN_LINE = re.compile(
+    r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+),"
+    r".*?Avg MB per transfer=([\d.]+)"
+)
+
+
+def ours_counters(stack: Stack) -> dict:
+    d = stack.vllm["ours-decode"]
+    return {
+        "transfers": d.metric("mooncake_vllm:pulls_total"),
+        "seconds": d.metric("mooncake_vllm:pull_duration_seconds_sum"),
+        "bytes": d.metric("mooncake_vllm:bytes_total"),
+    }
+
+
+def builtin_counters(stack: Stack) -> dict:
+    """Totals over the built-in producer's "KV Transfer metrics" log lines so far."""
+    text = stack.vllm["builtin-prefill"].process.log_path.read_text(errors="replace")
+    n = secs = nbytes = 0.0
+    for m in _BUILTIN_LINE.finditer(text):
+        k = int(m.group(1))
+        n += k
+        secs += k * float(m.group(2)) / 1000
+        nbytes += k * float(m.group(3)) * 2**20
+    return {"transfers": n, "seconds": secs, "bytes": nbytes}
+
+
+def counters(stack: Stack) -> dict[str, dict]:
+    out = {"ours": ours_counters(stack)}
+    if stack.with_builtin:
+        out["builtin"] = builtin_counters(stack)
+    return out
+
+
+# ---- the sweep ----------------------------------------------------------------------------------
+
+
+def make_prompts(length: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(f"{seed}-{length}")
+    return [[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)] for _ in range(n)]
+
+
+def sweep(stack: Stack, lengths, concurrencies, requests: int, rounds: int, seed: int):
+    configs = [c for c in CONFIGS if c in stack.urls]
+    samples, cells = [], []
+    total = len(lengths) * len(concurrencies) * rounds * len(configs)
+    bar = tqdm(total=total, desc="serving batches", file=sys.stderr)
+    # Warm-up: every setup compiles and allocates on its first requests, and a connector meets its
+    # peer on its first transfer (prompts longer than a block, so KV does move).
+    for c in configs:
+        asyncio.run(run_batch(stack.urls[c], stack.model, make_prompts(300, 3, seed + 99), 1))
+    try:
+        for length in lengths:
+            for conc in concurrencies:
+                per_round = max(1, requests // rounds)
+                time.sleep(1.5)  # let the servers publish the last step's connector stats
+                before = counters(stack)
+                for r in range(rounds):
+                    # Fresh prompts per round (no prefix-cache hits), the same for every setup.
+                    prompts = make_prompts(length, per_round, seed * 1000 + r * 7 + conc)
+                    for c in configs:
+                        results, wall_s = asyncio.run(
+                            run_batch(stack.urls[c], stack.model, prompts, conc)
+                        )
+                        for res in results:
+                            samples.append(
+                                {"config": c, "prompt_tokens": length, "concurrency": conc,
+                                 "round": r, **res}
+                            )  # fmt: skip
+                        cells.append(
+                            {"config": c, "prompt_tokens": length, "concurrency": conc,
+                             "round": r, "wall_s": wall_s, "requests": len(results),
+                             "output_tokens": sum(x["chunks"] for x in results)}
+                        )  # fmt: skip
+                        bar.update()
+                time.sleep(1.5)
+                after = counters(stack)
+                for c, a in after.items():
+                    b = before[c]
+                    cells.append(
+                        {"config": c, "prompt_tokens": length, "concurrency": conc,
+                         "kind": "kv_counters", **{k: a[k] - b[k] for k in a}}
+                    )  # fmt: skip
+    finally:
+        bar.close()
+    return samples, cells
+
+
+def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
+    rows = []
+    keys = sorted({(s["prompt_tokens"], s["concurrency"]) for s in samples})
+    for length, conc in keys:
+        base = {}
+        for c in CONFIGS:
+            sel = [
+                s for s in samples
+                if (s["config"], s["prompt_tokens"], s["concurrency"]) == (c, length, conc)
+            ]  # fmt: skip
+            if not sel:
+                continue
+            batches = [
+                x for x in cells
+                if x.get("kind") is None
+                and (x["config"], x["prompt_tokens"], x["concurrency"]) == (c, length, conc)
+            ]  # fmt: skip
+            kv = next(
+                (x for x in cells if x.get("kind") == "kv_counters"
+                 and (x["config"], x["prompt_tokens"], x["concurrency"]) == (c, length, conc)),
+                None,
+            )  # fmt: skip
+            ttft = [s["ttft_ms"] for s in sel]
+            itl = [x for s in sel for x in s["itl_ms"]]
+            row = {
+                "prompt": length,
+                "conc": conc,
+                "config": c,
+                "n": len(sel),
+                "ttft_p50": common.percentile(ttft, 50),
+                "ttft_p90": common.percentile(ttft, 90),
+                "ttft_p99": common.percentile(ttft, 99),
+                "tpot_p50": common.percentile([s["tpot_ms"] for s in sel], 50),
+                "itl_p50": common.percentile(itl, 50),
+                "itl_p90": common.percentile(itl, 90),
+                "itl_p99": common.percentile(itl, 99),
+                "tok/s": sum(b["output_tokens"] for b in batches)
+                / sum(b["wall_s"] for b in batches),
+                "kv_ms/req": float("nan"),
+                "kv_MB/req": float("nan"),
+                "kv_GB/s": float("nan"),
+            }
+            if kv and kv["transfers"] > 0:
+                row["kv_ms/req"] = kv["seconds"] * 1000 / kv["transfers"]
+                row["kv_MB/req"] = kv["bytes"] / 1e6 / kv["transfers"]
+                row["kv_GB/s"] = (
+                    kv["bytes"] / kv["seconds"] / 1e9 if kv["seconds"] else float("nan")
+                )
+            base[c] = row
+            rows.append(row)
+        plain, builtin = base.get("plain"), base.get("builtin")
+        for row in (base.get(c) for c in CONFIGS):
+            if row is None:
+                continue
+            row["ttft/plain"] = row["ttft_p50"] / plain["ttft_p50"] if plain else float("nan")
+            row["ttft/builtin"] = row["ttft_p50"] / builtin["ttft_p50"] if builtin else float("nan")
+            row["overhead_ms"] = row["ttft_p50"] - plain["ttft_p50"] if plain else float("nan")
+    return rows
+
+
+def plot(rows: list[dict]):
+    def draw(path: Path) -> None:
+        import matplotlib.pyplot as plt
+
+        concs = sorted({r["conc"] for r in rows})
+        fig, axes = plt.subplots(1, len(concs) + 1, figsize=(5.2 * (len(concs) + 1), 4.2))
+        colors = {"plain": "#7f7f7f", "ours": "#1f77b4", "builtin": "#ff7f0e"}
+        for ax, conc in zip(axes, concs, strict=False):
+            for c in CONFIGS:
+                sel = [r for r in rows if r["config"] == c and r["conc"] == conc]
+                if sel:
+                    ax.plot([r["prompt"] for r in sel], [r["ttft_p50"] for r in sel], "-o",
+                            color=colors[c], label=c)  # fmt: skip
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("TTFT p50 (ms)")
+            ax.set_title(f"TTFT, concurrency {conc}")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        ax = axes[-1]
+        for c in ("ours", "builtin"):
+            sel = [r for r in rows if r["config"] == c and r["conc"] == concs[0]]
+            if sel:
+                ax.plot([r["prompt"] for r in sel], [r["kv_ms/req"] for r in sel], "-o",
+                        color=colors[c], label=c)  # fmt: skip
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("KV transfer per request (ms, own counters)")
+        ax.set_title(f"KV transfer time, concurrency {concs[0]}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.suptitle("tiny model, CPU, 1P1D over TCP loopback vs one plain vLLM")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    return draw
+
+
+def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: list) -> None:
+    """Summarize, write JSON and PNG, print notes and the table."""
+    rows = summarize(samples, cells)
+    notes = [
+        "TTFT/ITL/TPOT measured by the client through each setup's front door (proxy or server)"
+    ]
+    if stack.with_builtin:
+        notes.append(WORKAROUND_NOTE)
+    settings = {
+        **settings,
+        "output_tokens": OUTPUT_TOKENS,
+        "configs": [c for c in CONFIGS if c in stack.urls],
+    }
+    paths = common.write_result(
+        out_dir, "serving", settings=settings, samples=samples + cells, rows=rows,
+        notes=notes, plot=plot(rows),
+    )  # fmt: skip
+    for note in notes:
+        print(f"note: {note}")
+    common.report("serving: plain vs ours vs built-in (TTFT/TPOT/ITL in ms)", rows, paths)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = common.base_parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="*", default=None, help="prompt lengths")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 4])
+    ap.add_argument("--requests", type=int, default=None, help="per cell and setup")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaving rounds per cell")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-builtin", action="store_true", help="skip vLLM's built-in connector")
+    args = ap.parse_args(argv)
+    lengths = args.lengths or ([256, 1024, 2048] if args.full else [256, 1024])
+    requests = args.requests or (24 if args.full else 8)
+    rounds = args.rounds or (4 if args.full else 2)
+    workdir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-bench-serving-"))
+    log_dir = workdir / "logs"
+    stack = Stack(not args.no_builtin, workdir, log_dir)
+    print(
+        f"starting servers (logs in {log_dir}); vLLM takes minutes to start on 2 cores", flush=True
+    )
+    try:
+        t0 = time.monotonic()
+        stack.start()
+        print(f"servers up after {time.monotonic() - t0:.0f} s", flush=True)
+        samples, cells = sweep(stack, lengths, args.concurrency, requests, rounds, args.seed)
+    finally:
+        stack.stop()
+    settings = {
+        "mode": "full" if args.full else "quick",
+        "lengths": lengths,
+        "concurrency": args.concurrency,
+        "requests_per_cell": requests,
+        "rounds": rounds,
+        "seed": args.seed,
+        "log_dir": str(log_dir),
+    }
+    record(args.out_dir, stack, settings, samples, cells)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
