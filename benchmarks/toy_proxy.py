@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 def make_app(prefill: str, decode: str) -> FastAPI:
     app = FastAPI()
-    client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
+    client = httpx.AsyncClient(timeout=None)  # default pool limits, as in the toy proxies
 
     async def handle(request: Request, path: str):
         body = await request.json()
