@@ -29,6 +29,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [{"tiny": TINY, "big": BIG}[s] for s in args.shapes]
     layouts = ["scattered", "contiguous"]
     chunk_bytes = int(args.chunk_mib * 2**20)
-    log_dir = args.out_dir / "logs"
+    log_dir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-bench-transfer-"))
     samples = run(shapes, prompts, layouts, reps, chunk_bytes, log_dir)
     rows = summarize(samples)
     settings = {
