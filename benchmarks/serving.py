@@ -216,7 +216,11 @@ async def run_batch(url: str, model: str, prompts: list[list[int]], concurrency:
 
         async def go(i, p):
             async with sem:
-                return {"index": i, **await one_request(session, url, model, p)}
+                try:
+                    return {"index": i, **await one_request(session, url, model, p)}
+                except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    # Recorded, not fatal: one failed request must not lose the whole sweep.
+                    return {"index": i, "error": str(e)[:500]}
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(go(i, p) for i, p in enumerate(prompts)))
@@ -289,6 +293,7 @@ def sweep(stack: Stack, lengths, concurrencies, requests: int, rounds: int, seed
                         results, wall_s = asyncio.run(
                             run_batch(stack.urls[c], stack.model, prompts, conc)
                         )
+                        ok = [x for x in results if "error" not in x]
                         for res in results:
                             samples.append(
                                 {"config": c, "prompt_tokens": length, "concurrency": conc,
@@ -296,8 +301,9 @@ def sweep(stack: Stack, lengths, concurrencies, requests: int, rounds: int, seed
                             )  # fmt: skip
                         cells.append(
                             {"config": c, "prompt_tokens": length, "concurrency": conc,
-                             "round": r, "wall_s": wall_s, "requests": len(results),
-                             "output_tokens": sum(x["chunks"] for x in results)}
+                             "round": r, "wall_s": wall_s, "requests": len(ok),
+                             "errors": len(results) - len(ok),
+                             "output_tokens": sum(x["chunks"] for x in ok)}
                         )  # fmt: skip
                         bar.update()
                 time.sleep(1.5)
@@ -322,6 +328,7 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
             sel = [
                 s for s in samples
                 if (s["config"], s["prompt_tokens"], s["concurrency"]) == (c, length, conc)
+                and "error" not in s
             ]  # fmt: skip
             if not sel:
                 continue
