@@ -23,8 +23,9 @@ from pydantic import (
     model_validator,
 )
 
+from mooncake_vllm.metadata import P2P_HANDSHAKE, MetadataTarget, parse_metadata_server
+
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
-P2P_HANDSHAKE = "P2PHANDSHAKE"
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 
@@ -52,8 +53,12 @@ class MooncakeSettings(BaseModel):
     local_hostname: str | None = Field(
         None, description="address to advertise instead of the url's host"
     )
+    # P2PHANDSHAKE, etcd://h:p[,h:p], redis://h:p, http://h:p/metadata, or a bare h:p read with
+    # metadata_backend (the seed's form). See ``metadata`` for how each is served.
     metadata_server: str = P2P_HANDSHAKE
     metadata_backend: Literal["etcd", "redis", "http"] | None = None
+    # Keys an engine publishes in the store expire this long after it stops refreshing them.
+    metadata_ttl_s: float = Field(30.0, ge=3)
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = ""
     # Bytes of KV the producer may hold for consumers that have not pulled yet.
@@ -69,34 +74,9 @@ class MooncakeSettings(BaseModel):
         _host_port(info.field_name, v)
         return v
 
-    @field_validator("metadata_server")
-    @classmethod
-    def _check_metadata_server(cls, v: str) -> str:
-        if v == P2P_HANDSHAKE or v.startswith(("etcd://", "http://", "https://")):
-            return v
-        if v.startswith("redis://"):
-            # The PyPI transfer-engine wheels are built without redis: reaching that code path
-            # aborts the whole process, so refuse here.
-            raise ValueError(
-                "metadata_server='redis://...' is not supported by the PyPI transfer-engine "
-                "wheels (it aborts the process); use 'P2PHANDSHAKE', 'etcd://host:port' or "
-                "'http://host:port/metadata'"
-            )
-        if ":" in v and "://" not in v:
-            return v  # legacy bare host:port, interpreted with metadata_backend
-        raise ValueError(
-            f"metadata_server={v!r}: accepted forms are 'P2PHANDSHAKE', 'etcd://host:port', "
-            "'http://host:port/metadata', or a bare 'host:port' with metadata_backend"
-        )
-
     @model_validator(mode="after")
-    def _check_backend(self) -> MooncakeSettings:
-        bare = self.metadata_server != P2P_HANDSHAKE and "://" not in self.metadata_server
-        if bare and self.metadata_backend == "redis":
-            raise ValueError(
-                "metadata_backend='redis' is not supported by the PyPI transfer-engine wheels "
-                "(it aborts the process); use 'etcd' or 'http'"
-            )
+    def _check_metadata(self) -> MooncakeSettings:
+        parse_metadata_server(self.metadata_server, self.metadata_backend)  # ValueError names it
         return self
 
 
@@ -127,19 +107,9 @@ class ConnectorConfig:
         return self.base_port + 2 * tp_rank + 1
 
     @property
-    def metadata_server(self) -> str:
-        """The transfer engine's metadata argument, legacy bare forms made explicit."""
-        s = self.settings
-        server = s.metadata_server
-        if server == P2P_HANDSHAKE or "://" in server:
-            return server
-        backend = s.metadata_backend or "etcd"
-        if backend == "redis":
-            raise ConfigError(
-                "metadata_backend='redis' is not supported by the PyPI transfer-engine wheels "
-                "(it aborts the process); use 'etcd' or 'http'"
-            )
-        return f"{backend}://{server}"
+    def metadata(self) -> MetadataTarget:
+        """Where the transfer-engine metadata lives, legacy bare forms made explicit."""
+        return parse_metadata_server(self.settings.metadata_server, self.settings.metadata_backend)
 
     def engine_env(self) -> dict[str, str]:
         """Environment the transfer engine reads at initialize (it ignores ``protocol``)."""

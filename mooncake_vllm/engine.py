@@ -63,6 +63,7 @@ class TransferEngine:
         device_name: str,
         env: Mapping[str, str] = {},
     ):
+        """``metadata_server`` is ``P2PHANDSHAKE`` or the http URL of this worker's bridge."""
         # Set before import/initialize: the engine reads these once.
         os.environ.update(env)
         from mooncake.engine import TransferEngine as _TE
@@ -76,14 +77,18 @@ class TransferEngine:
                 "address is local"
             )
         self._te = te
-        self._host = hostname.rsplit(":", 1)[0]
+        self._hostname = hostname
+        self._p2p = metadata_server == "P2PHANDSHAKE"
         self._registered: list[int] = []
         self._lock = threading.Lock()
 
     @property
     def segment_name(self) -> str:
-        """The name peers use to reach this engine (host and the engine's RPC port)."""
-        return f"{self._host}:{self._te.get_rpc_port()}"
+        """The name peers use to reach this engine: with P2P handshake the host and the RPC port
+        the engine picked; with a metadata store the hostname it was initialized with."""
+        if not self._p2p:
+            return self._hostname
+        return f"{self._hostname.rsplit(':', 1)[0]}:{self._te.get_rpc_port()}"
 
     def register(self, addr: int, length: int, location: str = "*") -> None:
         rc = self._te.register_memory(addr, length, location)
@@ -175,3 +180,6 @@ class TransferEngine:
                 if rc != 0:
                     logger.warning("unregister_memory(%#x) returned %d", addr, rc)
             self._registered.clear()
+            # Dropping the engine now runs its destructor, which removes its metadata keys,
+            # while the metadata bridge that serves them is still up.
+            self._te = None

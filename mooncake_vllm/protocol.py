@@ -27,8 +27,10 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     version: int = PROTOCOL_VERSION
     transfer_id: str
     producer_engine_id: str
-    side_channel_host: str
-    side_channel_ports: list[int]  # one per producer TP rank
+    # Where to reach the producer, one port per TP rank. Empty: look the producer up by
+    # ``producer_engine_id`` in the engine registry (needs a metadata store on the consumer).
+    side_channel_host: str = ""
+    side_channel_ports: list[int] = []
     te_segments: list[str] = []  # one per producer TP rank, when known at handoff time
     remote_block_ids: list[int]
     prompt_len: int
@@ -49,8 +51,13 @@ def parse_handoff(params: dict[str, Any]) -> Handoff:
         raise HandoffError(f"handoff version {h.version}, this consumer speaks {PROTOCOL_VERSION}")
     if not h.transfer_id:
         raise HandoffError("empty transfer_id")
-    if not h.side_channel_ports:
-        raise HandoffError("no side_channel_ports")
+    if not h.producer_engine_id:
+        raise HandoffError("empty producer_engine_id")
+    if bool(h.side_channel_host) != bool(h.side_channel_ports):
+        raise HandoffError(
+            "side_channel_host and side_channel_ports go together (give both, or neither to "
+            "look the producer up by producer_engine_id)"
+        )
     return h
 
 
@@ -72,7 +79,7 @@ def validate_handoff(
         raise HandoffError(
             f"{len(h.remote_block_ids)} remote blocks for {prompt_len} tokens, expected {need}"
         )
-    if len(h.side_channel_ports) != tp_size:
+    if h.side_channel_ports and len(h.side_channel_ports) != tp_size:
         raise HandoffError(f"producer has {len(h.side_channel_ports)} TP ranks, consumer {tp_size}")
 
 
@@ -80,6 +87,35 @@ def compat_hash(**fields: Any) -> str:
     """A stable digest of everything both sides must agree on for a raw block copy."""
     payload = json.dumps({"v": PROTOCOL_VERSION, **fields}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+# ---- engine registry ---------------------------------------------------------------------------
+
+
+class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What each connector worker publishes in the metadata store under ``registry_key``."""
+
+    version: int = PROTOCOL_VERSION
+    engine_id: str
+    role: str
+    tp_rank: int
+    tp_size: int
+    side_channel: str  # host:port; "" on a consumer (it serves no side channel)
+    te_segment: str
+    compat_hash: str
+
+
+def registry_key(engine_id: str, tp_rank: int) -> str:
+    return f"mooncake-vllm/engines/{engine_id}/{tp_rank}"
+
+
+def encode_record(record: EngineRecord) -> bytes:
+    return msgspec.json.encode(record)
+
+
+def decode_record(data: bytes) -> EngineRecord:
+    """Raises ``msgspec.DecodeError``/``ValidationError`` on a malformed record."""
+    return msgspec.json.decode(data, type=EngineRecord)
 
 
 # ---- side-channel frames -------------------------------------------------------------------

@@ -27,8 +27,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from mooncake_vllm.config import ConnectorConfig
 from mooncake_vllm.engine import TransferEngine
 from mooncake_vllm.leases import LeaseTable
+from mooncake_vllm.metadata import P2P_HANDSHAKE
+from mooncake_vllm.metadata_bridge import MetadataBridge
 from mooncake_vllm.planning import plan_regions, tensor_segments
-from mooncake_vllm.protocol import Acquire, Granted, MemSegment, Refused, Release
+from mooncake_vllm.protocol import (
+    Acquire,
+    EngineRecord,
+    Granted,
+    Handoff,
+    MemSegment,
+    Refused,
+    Release,
+    decode_record,
+    encode_record,
+    registry_key,
+)
+from mooncake_vllm.scheduler import engine_compat_hash
 from mooncake_vllm.side_channel import SideChannelClient, SideChannelServer
 from mooncake_vllm.stats import MooncakeStats
 from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata
@@ -81,6 +95,8 @@ class WorkerHalf:
         self._pulls: dict[str, Future[PullOutcome]] = {}
         self._stats = MooncakeStats()
         self._stats_lock = threading.Lock()
+        self._bridge: MetadataBridge | None = None
+        self._compat_hash = engine_compat_hash(vllm_config)
         s = cfg.settings
         self._late_grace_s = min(s.load_timeout_s, 10.0)
         if cfg.is_producer:
@@ -109,28 +125,50 @@ class WorkerHalf:
         self._segments = segments
         self._bytes_per_block = sum(s.block_len for s in segments)
         cfg, s = self._cfg, self._cfg.settings
-        self._engine = TransferEngine(
-            cfg.engine_hostname(self._tp_rank),
-            cfg.metadata_server,
-            s.protocol,
-            s.device_name,
-            env=cfg.engine_env(),
-        )
-        for addr, (nbytes, location) in sorted(storages.items()):
-            self._engine.register(addr, nbytes, location)
         if self._leases is not None:
-            engine = self._engine
+            # Bound first: the port doubles as this engine's claim on its name, so a second
+            # engine configured with the same address fails here, before it can overwrite our
+            # metadata. Acquires only arrive once this engine has handed blocks over.
             self._server = SideChannelServer(
                 cfg.host,
                 cfg.side_channel_port(self._tp_rank),
                 self._leases,
-                layout=lambda: (engine.segment_name, segments),
+                layout=lambda: (self._engine.segment_name, segments),
             )
+        metadata_arg = P2P_HANDSHAKE
+        if cfg.metadata.kind != "p2p":
+            self._bridge = MetadataBridge(cfg.metadata, ttl_s=s.metadata_ttl_s)
+            metadata_arg = self._bridge.url
+        try:
+            self._engine = TransferEngine(
+                cfg.engine_hostname(self._tp_rank),
+                metadata_arg,
+                s.protocol,
+                s.device_name,
+                env=cfg.engine_env(),
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+        for addr, (nbytes, location) in sorted(storages.items()):
+            self._engine.register(addr, nbytes, location)
+        if self._bridge is not None:
+            record = EngineRecord(
+                engine_id=cfg.engine_id,
+                role=cfg.role,
+                tp_rank=self._tp_rank,
+                tp_size=cfg.tp_size,
+                side_channel=self._server.address if self._server else "",
+                te_segment=self._engine.segment_name,
+                compat_hash=self._compat_hash,
+            )
+            self._bridge.publish(registry_key(cfg.engine_id, self._tp_rank), encode_record(record))
         logger.info(
             "MooncakeConnector worker rank %d (%s): %d layers, %d segments, %d B/block, "
-            "engine %s, side channel %s",
+            "engine %s, side channel %s, metadata %s",
             self._tp_rank, cfg.role, len(kv_caches), len(segments), self._bytes_per_block,
             self._engine.segment_name, self._server.address if self._server else "-",
+            cfg.metadata.describe(),
         )  # fmt: skip
 
     @property
@@ -198,17 +236,19 @@ class WorkerHalf:
         start = time.monotonic()
         h = load.handoff
         address = None
-        if h is not None and self._tp_rank < len(h.side_channel_ports):
-            address = f"{h.side_channel_host}:{h.side_channel_ports[self._tp_rank]}"
-        if not load.local_block_ids:
-            if address and h:
-                self._release(address, h.transfer_id, ok=load.error is None)
+        if not load.local_block_ids:  # vLLM does not wait on this one: just free the lease
+            if h is not None:
+                try:
+                    self._release(self._producer_address(h), h.transfer_id, load.error is None)
+                except Exception as e:  # the producer's lease TTL frees the blocks anyway
+                    logger.warning("release of %s failed: %s", h.transfer_id, e)
             return PullOutcome(load.req_id, ok=True, reason="release-only")
         acquired = succeeded = False
         try:
             if load.error is not None:
                 raise PullFailed(load.error)
-            assert h is not None and address is not None and self._engine is not None
+            assert h is not None and self._engine is not None
+            address = self._producer_address(h)
             reply = self._client.call(
                 address,
                 Acquire(h.transfer_id, self._cfg.engine_id, load.remote_block_ids),
@@ -252,6 +292,26 @@ class WorkerHalf:
             if acquired and h is not None and address is not None:
                 self._release(address, h.transfer_id, ok=succeeded)
 
+    def _producer_address(self, h: Handoff) -> str:
+        """The side channel of the producer rank this worker pulls from: named in the handoff,
+        or looked up by the producer's engine id in the engine registry."""
+        if h.side_channel_ports:
+            return f"{h.side_channel_host}:{h.side_channel_ports[self._tp_rank]}"
+        if self._bridge is None:
+            raise PullFailed(
+                f"the handoff names no side channel for producer {h.producer_engine_id!r} and "
+                "no metadata store is configured to look it up (metadata_server is P2PHANDSHAKE)"
+            )
+        data = self._bridge.lookup(registry_key(h.producer_engine_id, self._tp_rank))
+        if data is None:
+            raise PullFailed(f"producer engine {h.producer_engine_id!r} is not in the registry")
+        record = decode_record(data)
+        if not record.side_channel:
+            raise PullFailed(f"engine {h.producer_engine_id!r} is a {record.role}, not a producer")
+        if record.compat_hash != h.compat_hash:
+            raise PullFailed(f"registry compat hash of {h.producer_engine_id!r} differs")
+        return record.side_channel
+
     def _release(self, address: str, transfer_id: str, ok: bool) -> None:
         try:
             self._client.call(address, Release(transfer_id, ok), timeout_s=_RELEASE_TIMEOUT_S)
@@ -269,3 +329,5 @@ class WorkerHalf:
             self._client.close()
         if self._engine is not None:
             self._engine.close()
+        if self._bridge is not None:
+            self._bridge.close()  # after the engine: its teardown removes keys through the bridge

@@ -20,4 +20,4 @@ def test_example_config_resolves(path, role):
     cfg = resolve(settings, role, engine_id="e", tp_size=1)
     own = settings.prefill_url if role == "kv_producer" else settings.decode_url
     assert cfg.engine_hostname(0) == own
-    assert cfg.metadata_server
+    assert cfg.metadata.kind in ("p2p", "etcd", "redis", "http")

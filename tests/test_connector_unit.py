@@ -13,6 +13,7 @@ import pytest
 
 from mooncake_vllm.config import CONFIG_PATH_ENV, ConfigError, load_settings, resolve
 from mooncake_vllm.leases import LeaseState, LeaseTable
+from mooncake_vllm.metadata import MetadataTarget
 from mooncake_vllm.planning import PlanError, Region, chunk, plan_regions, tensor_segments
 from mooncake_vllm.protocol import (
     PROTOCOL_VERSION,
@@ -108,9 +109,15 @@ def test_empty_config_path_means_no_file():
         ({"decode_url": "h:65536"}, ["decode_url='h:65536'", "'host:port'"]),
         # metadata server
         (
-            {"metadata_server": "redis://10.0.0.1:6379"},
-            ["metadata_server='redis://10.0.0.1:6379'", "not supported", "'P2PHANDSHAKE'", "etcd"],
+            {"metadata_server": "etcd://10.0.0.1:2379", "metadata_backend": "redis"},
+            ["metadata_backend='redis' contradicts", "metadata_server='etcd://10.0.0.1:2379'"],
         ),
+        (
+            {"metadata_server": "etcd://h1:2379,h2"},
+            ["metadata_server='etcd://h1:2379,h2'", "'h2' is not 'host:port'"],
+        ),
+        ({"metadata_server": "redis://"}, ["metadata_server='redis://'", "not 'host:port'"]),
+        ({"metadata_ttl_s": 1}, ["metadata_ttl_s=1", "greater than or equal to 3"]),
         (
             {"metadata_server": "zookeeper"},
             ["metadata_server='zookeeper'", "accepted forms", "'P2PHANDSHAKE'", "etcd://"],
@@ -147,7 +154,16 @@ def test_every_bad_key_is_reported_at_once():
 
 
 @pytest.mark.parametrize(
-    "metadata_server", ["P2PHANDSHAKE", "etcd://10.0.0.1:2379", "http://h:8080/metadata", "h:2379"]
+    "metadata_server",
+    [
+        "P2PHANDSHAKE",
+        "etcd://10.0.0.1:2379",
+        "etcd://h1:2379,h2:2379",
+        "redis://10.0.0.1:6379",
+        "redis://10.0.0.1:6379/2",
+        "http://h:8080/metadata",
+        "h:2379",
+    ],
 )
 def test_accepted_metadata_servers(metadata_server):
     assert load_settings({"metadata_server": metadata_server}, env={}).metadata_server == (
@@ -301,24 +317,36 @@ def test_local_hostname_replaces_the_url_host():
 
 
 @pytest.mark.parametrize(
-    ("settings", "engine_arg"),
+    ("settings", "target"),
     [
-        ({}, "P2PHANDSHAKE"),
-        ({"metadata_server": "etcd://h:2379"}, "etcd://h:2379"),
-        ({"metadata_server": "h:2379"}, "etcd://h:2379"),  # legacy bare form defaults to etcd
-        ({"metadata_server": "h:8080", "metadata_backend": "http"}, "http://h:8080"),
+        ({}, MetadataTarget("p2p")),
+        ({"metadata_server": "etcd://h:2379"}, MetadataTarget("etcd", ("h:2379",))),
+        (
+            {"metadata_server": "etcd://h1:2379;h2:2379"},  # Mooncake's separator
+            MetadataTarget("etcd", ("h1:2379", "h2:2379")),
+        ),
+        ({"metadata_server": "h:2379"}, MetadataTarget("etcd", ("h:2379",))),  # legacy: etcd
+        (
+            {"metadata_server": "h1:2379, h2:2379", "metadata_backend": "etcd"},
+            MetadataTarget("etcd", ("h1:2379", "h2:2379")),
+        ),
+        (
+            {"metadata_server": "h:6379", "metadata_backend": "redis"},
+            MetadataTarget("redis", ("redis://h:6379",)),
+        ),
+        ({"metadata_server": "redis://h:6379"}, MetadataTarget("redis", ("redis://h:6379",))),
+        (
+            {"metadata_server": "h:8080", "metadata_backend": "http"},
+            MetadataTarget("http", ("http://h:8080/metadata",)),
+        ),
+        (
+            {"metadata_server": "http://h:8080/metadata", "metadata_backend": "http"},
+            MetadataTarget("http", ("http://h:8080/metadata",)),
+        ),
     ],
 )
-def test_metadata_server_argument(settings, engine_arg):
-    assert resolve(_settings(**settings), "kv_producer", "e", 1).metadata_server == engine_arg
-
-
-def test_bare_metadata_server_with_redis_backend_is_refused():
-    # Refused when the config is loaded, before any engine could reach the aborting code path.
-    with pytest.raises(ConfigError) as exc:
-        _settings(metadata_server="h:6379", metadata_backend="redis")
-    assert "metadata_backend='redis'" in str(exc.value)
-    assert "'etcd' or 'http'" in str(exc.value)
+def test_metadata_target(settings, target):
+    assert resolve(_settings(**settings), "kv_producer", "e", 1).metadata == target
 
 
 # ---- planning -------------------------------------------------------------------------------
@@ -489,7 +517,8 @@ def test_handoff_ignores_fields_it_does_not_know():
 
 
 @pytest.mark.parametrize(
-    "field", ["transfer_id", "side_channel_ports", "remote_block_ids", "prompt_len", "compat_hash"]
+    "field",
+    ["transfer_id", "producer_engine_id", "remote_block_ids", "prompt_len", "compat_hash"],
 )
 def test_handoff_missing_field(field):
     params = _handoff().to_params()
@@ -521,12 +550,20 @@ def test_handoff_wrong_type(field, value):
     [
         ({"version": PROTOCOL_VERSION + 1}, "version"),
         ({"transfer_id": ""}, "empty transfer_id"),
-        ({"side_channel_ports": []}, "no side_channel_ports"),
+        ({"producer_engine_id": ""}, "empty producer_engine_id"),
+        ({"side_channel_ports": []}, "go together"),
+        ({"side_channel_host": ""}, "go together"),
     ],
 )
 def test_unusable_handoff_is_refused(overrides, match):
     with pytest.raises(HandoffError, match=match):
         parse_handoff({**_handoff().to_params(), **overrides})
+
+
+def test_handoff_without_side_channel_is_looked_up_by_engine_id():
+    h = parse_handoff({**_handoff().to_params(), "side_channel_host": "", "side_channel_ports": []})
+    assert h.producer_engine_id == "prefill-0"
+    _validate(h)  # no TP-rank count to compare: the registry has it
 
 
 @pytest.mark.parametrize("params", [None, [], "t-1", {}])
