@@ -1,4 +1,5 @@
-"""Start and stop real servers on loopback: vLLM OpenAI servers, redis-server, etcd.
+"""Start and stop real servers on loopback: vLLM OpenAI servers, redis-server, etcd, and http
+metadata servers.
 
 Shared by the tests, the demo and the benchmarks. Every server runs in its own process group with
 its output in a log file; ``stop()`` ends the whole group (vLLM spawns engine-core and worker
@@ -274,10 +275,16 @@ def start_redis(host: str = "127.0.0.1", port: int | None = None, log_dir: Path 
     return KvServer(proc, host, port, data_dir)
 
 
-def start_etcd(host: str = "127.0.0.1", port: int | None = None, log_dir: Path | None = None):
+def start_etcd(
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    log_dir: Path | None = None,
+    data_dir: Path | None = None,
+):
+    """etcd on loopback; pass a stopped server's ``data_dir`` to restart it with its data."""
     port = port or free_port(host)
     peer_port = free_port(host)
-    data_dir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-etcd-"))
+    data_dir = data_dir or Path(tempfile.mkdtemp(prefix="mooncake-vllm-etcd-"))
     client_url, peer_url = f"http://{host}:{port}", f"http://{host}:{peer_port}"
     argv = [
         "etcd", "--name", "test", "--data-dir", str(data_dir),
@@ -288,6 +295,31 @@ def start_etcd(host: str = "127.0.0.1", port: int | None = None, log_dir: Path |
     log = (log_dir or default_log_dir()) / f"etcd-{host}-{port}.log"
     proc = ManagedProcess("etcd", argv, log).start()
     proc.wait_until(lambda: _http_ok(f"{client_url}/health"), 30, "healthy")
+    return KvServer(proc, host, port, data_dir)
+
+
+def start_http_metadata(
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    *,
+    mooncakes: bool = False,
+    data_dir: Path | None = None,
+    log_dir: Path | None = None,
+):
+    """Our http metadata server (``mooncake_vllm.metadata_server``, persisting to ``data_dir``),
+    or with ``mooncakes=True`` the one Mooncake ships (``mooncake.http_metadata_server``)."""
+    port = port or free_port(host)
+    data_dir = data_dir or Path(tempfile.mkdtemp(prefix="mooncake-vllm-http-metadata-"))
+    if mooncakes:
+        argv = [sys.executable, "-m", "mooncake.http_metadata_server", "--host", host]
+    else:
+        argv = [sys.executable, "-m", "mooncake_vllm.metadata_server", "--host", host]
+        argv += ["--persist", str(data_dir / "metadata.json")]
+    argv += ["--port", str(port)]
+    name = "mooncake-http-metadata" if mooncakes else "http-metadata"
+    log = (log_dir or default_log_dir()) / f"{name}-{host}-{port}.log"
+    proc = ManagedProcess(name, argv, log).start()
+    proc.wait_until(lambda: _port_open(host, port), 30, "accepting connections")
     return KvServer(proc, host, port, data_dir)
 
 
