@@ -237,3 +237,21 @@ async def test_http_metadata_server(pd, http, tmp_path, log_on_failure):
         pair.decode.stop()
         await _keys_gone(pair, keys)
         pair.stop()
+
+
+def test_unreachable_store_stops_vllm_at_startup(tiny_model, tmp_path):
+    port = servers.free_port()
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({"metadata_server": f"redis://127.0.0.1:{port}"}))
+    with pytest.raises(servers.ServerStartError) as exc:
+        servers.start_vllm(
+            tiny_model,
+            name="unreachable-store",
+            args=kv_args("kv_consumer"),
+            env={"MOONCAKE_CONFIG_PATH": str(config)},
+            timeout_s=180,
+        )
+    message = str(exc.value)
+    assert "exited" in message  # it stopped by itself, not at the harness's deadline
+    assert f"metadata_server (redis redis://127.0.0.1:{port}) cannot be used" in message
+    assert "P2PHANDSHAKE" in message
