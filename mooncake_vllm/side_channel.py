@@ -143,28 +143,41 @@ class SideChannelServer:
 
 
 class SideChannelClient:
-    """Request/reply to producers' side channels; one DEALER socket per peer, reused.
+    """Request/reply to producers' side channels over DEALER sockets, reused across calls.
 
-    Not thread-safe per peer: the worker serializes calls to one peer with a lock per peer.
+    Calls to one producer run concurrently: each call takes an idle socket to that producer (or
+    opens one) and gives it back afterwards, so one slow acquire does not queue the others.
     Replies are matched by transfer id, so a late reply to a timed-out call is skipped.
     """
 
     def __init__(self) -> None:
         self._ctx = zmq.Context.instance()
-        self._socks: dict[str, zmq.Socket] = {}
-        self._locks: dict[str, threading.Lock] = {}
+        self._idle: dict[str, list[zmq.Socket]] = {}
         self._guard = threading.Lock()
+        self._closed = False
+
+    def _checkout(self, address: str) -> zmq.Socket:
+        with self._guard:
+            if self._closed:
+                raise SideChannelError("side-channel client is closed")
+            idle = self._idle.setdefault(address, [])
+            if idle:
+                return idle.pop()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{address}")
+        return sock
+
+    def _checkin(self, address: str, sock: zmq.Socket) -> None:
+        with self._guard:
+            if self._closed:
+                sock.close()
+            else:
+                self._idle.setdefault(address, []).append(sock)
 
     def call(self, address: str, frame: Acquire | Release, timeout_s: float) -> Frame:
-        with self._guard:
-            lock = self._locks.setdefault(address, threading.Lock())
-        with lock:
-            sock = self._socks.get(address)
-            if sock is None:
-                sock = self._ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(f"tcp://{address}")
-                self._socks[address] = sock
+        sock = self._checkout(address)
+        try:
             sock.send(encode_frame(frame))
             deadline = time.monotonic() + timeout_s
             while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
@@ -180,9 +193,13 @@ class SideChannelClient:
             raise SideChannelError(
                 f"no answer from producer side channel {address} in {timeout_s:.1f}s"
             )
+        finally:
+            self._checkin(address, sock)
 
     def close(self) -> None:
         with self._guard:
-            for sock in self._socks.values():
-                sock.close()
-            self._socks.clear()
+            self._closed = True
+            for socks in self._idle.values():
+                for sock in socks:
+                    sock.close()
+            self._idle.clear()
