@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from benchmarks import common
 from mooncake_vllm.testing import servers
-from mooncake_vllm.testing.pd import ServerSpec, kv_args, mooncake_json, start_many
+from mooncake_vllm.testing.pd import ServerSpec, kv_args, mooncake_json, sse_events, start_many
 from mooncake_vllm.testing.tiny_model import build_tiny_model
 
 CONFIGS = ["plain", "ours", "builtin"]
@@ -185,13 +185,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(f"{url}: stream error {event['error']}")
+        async for event in sse_events(resp):
             if any(c.get("text") for c in event.get("choices", [])):
                 arrivals.append(time.perf_counter())
     end = time.perf_counter()
@@ -387,12 +381,16 @@ def plot(rows: list[dict]):
         concs = sorted({r["conc"] for r in rows})
         fig, axes = plt.subplots(1, len(concs) + 1, figsize=(5.2 * (len(concs) + 1), 4.2))
         colors = {"plain": "#7f7f7f", "ours": "#1f77b4", "builtin": "#ff7f0e"}
+
+        def series(ax, sel: list[dict], y: str, config: str) -> None:
+            if sel:
+                xs, ys = [r["prompt"] for r in sel], [r[y] for r in sel]
+                ax.plot(xs, ys, "-o", color=colors[config], label=config)
+
         for ax, conc in zip(axes, concs, strict=False):
             for c in CONFIGS:
                 sel = [r for r in rows if r["config"] == c and r["conc"] == conc]
-                if sel:
-                    ax.plot([r["prompt"] for r in sel], [r["ttft_p50"] for r in sel], "-o",
-                            color=colors[c], label=c)  # fmt: skip
+                series(ax, sel, "ttft_p50", c)
             ax.set_xlabel("prompt tokens")
             ax.set_ylabel("TTFT p50 (ms)")
             ax.set_title(f"TTFT, concurrency {conc}")
@@ -401,9 +399,7 @@ def plot(rows: list[dict]):
         ax = axes[-1]
         for c in ("ours", "builtin"):
             sel = [r for r in rows if r["config"] == c and r["conc"] == concs[0]]
-            if sel:
-                ax.plot([r["prompt"] for r in sel], [r["kv_ms/req"] for r in sel], "-o",
-                        color=colors[c], label=c)  # fmt: skip
+            series(ax, sel, "kv_ms/req", c)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("KV transfer per request (ms, own counters)")
         ax.set_title(f"KV transfer time, concurrency {concs[0]}")

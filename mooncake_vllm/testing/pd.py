@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,18 +122,24 @@ async def complete(
                 data.get("kv_transfer_params"),
             )  # fmt: skip
         text, ids, finish = [], [], None
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
+        async for event in sse_events(resp):
             for choice in event.get("choices", []):
                 text.append(choice.get("text") or "")
                 ids.extend(choice.get("token_ids") or [])
                 finish = choice.get("finish_reason") or finish
         return Answer("".join(text), ids, finish)
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style SSE stream, up to ``[DONE]``; an error event raises."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if "error" in event:
+            raise RuntimeError(f"{resp.url}: stream error {event['error']}")
+        yield event
 
 
 async def two_legs(
