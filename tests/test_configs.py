@@ -21,3 +21,15 @@ def test_example_config_resolves(path, role):
     own = settings.prefill_url if role == "kv_producer" else settings.decode_url
     assert cfg.engine_hostname(0) == own
     assert cfg.metadata.kind in ("p2p", "etcd", "redis", "http")
+
+
+def test_rdma_example_selects_rdma_on_its_nic():
+    """The RDMA example is validated here, not run (no RDMA NIC on the test machines)."""
+    settings = load_settings(
+        None, {CONFIG_PATH_ENV: str(CONFIGS[0].parent / "mooncake-rdma-etcd.json")}
+    )
+    cfg = resolve(settings, "kv_producer", engine_id="e", tp_size=1)
+    assert (settings.protocol, settings.device_name) == ("rdma", "mlx5_0")
+    assert "MC_FORCE_TCP" not in cfg.engine_env()
+    assert cfg.engine_env()["MC_TCP_BIND_ADDRESS"] == "10.0.0.2"
+    assert cfg.metadata.kind == "etcd"
