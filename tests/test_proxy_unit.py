@@ -312,6 +312,27 @@ def test_failed_probe_of_a_healthy_backend_ejects_it():
     assert backend.next_probe_at_s == clock.now_s + 1.0
 
 
+def test_late_probes_eject_a_healthy_backend_only_when_they_repeat():
+    clock = FakeClock()
+    pool = _pool(n=1, clock=clock)
+    (backend,) = pool.backends
+    # A saturated server answers /health late but still serves: it stays in rotation...
+    assert pool.probe_timed_out(backend, "late") is False
+    assert pool.probe_timed_out(backend, "late") is False
+    assert backend.healthy and pool.pick() is backend
+    assert pool.seconds_until_next_probe() == pool.probe_interval_s
+    # ...an answer in time clears the count...
+    assert pool.probe_ok(backend) is False
+    assert pool.probe_timed_out(backend, "late") is False
+    assert pool.probe_timed_out(backend, "late") is False
+    # ...and only the third late probe in a row ejects it; then it backs off like any failure.
+    assert pool.probe_timed_out(backend, "late") is True
+    assert not backend.healthy
+    assert backend.next_probe_at_s == clock.now_s + 1.0
+    assert pool.probe_timed_out(backend, "late") is False
+    assert backend.next_probe_at_s == clock.now_s + 2.0
+
+
 @pytest.mark.parametrize(
     ("failures", "delay_s"), [(0, 1), (1, 1), (2, 2), (5, 16), (6, 30), (5000, 30)]
 )

@@ -287,7 +287,15 @@ class Proxy:
                 timeout=aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s),
             ) as resp:
                 status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError:
+            reason = f"health probe got no answer in {self.cfg.connect_timeout_s:g}s"
+            if pool.probe_timed_out(backend, reason):
+                self.metrics.ejections.labels(pool.role, backend.url).inc()
+                logger.warning("%s backend %s ejected: %s", pool.role, backend.url, reason)
+            else:
+                logger.info("%s backend %s: %s", pool.role, backend.url, reason)
+            return
+        except aiohttp.ClientError as e:
             reason = f"health probe failed: {str(e) or type(e).__name__}"
         else:
             if status == 200:

@@ -6,7 +6,7 @@ schedule is testable.
 
 Health lifecycle of one backend::
 
-    healthy --request or probe failed--> ejected --probe ok--> healthy
+    healthy --request or probe failed, or 3 late probes--> ejected --probe ok--> healthy
                                          ejected --probe failed--> ejected, next probe later
 
 A backend starts healthy, so requests arriving before the first probe are served; the first
@@ -22,6 +22,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+# Late health probes in a row before a healthy backend is ejected (see probe_timed_out).
+SLOW_PROBES_TO_EJECT = 3
 
 
 class Policy(str, enum.Enum):
@@ -152,6 +155,21 @@ class BackendPool:
         backend.last_error = reason
         backend.consecutive_failures += 1
         backend.next_probe_at_s = self._clock() + self.backoff.delay_s(backend.consecutive_failures)
+        return False
+
+    def probe_timed_out(self, backend: Backend, reason: str) -> bool:
+        """A health probe got no answer in time. True when this ejected a healthy backend.
+
+        A saturated vLLM answers ``/health`` late while it still serves every request, so a
+        healthy backend is only ejected after ``SLOW_PROBES_TO_EJECT`` late probes in a row
+        (requests to a backend that truly hangs meet their own timeout meanwhile)."""
+        if not backend.healthy:
+            return self.probe_failed(backend, reason)
+        backend.last_error = reason
+        backend.consecutive_failures += 1
+        if backend.consecutive_failures >= SLOW_PROBES_TO_EJECT:
+            return self.eject(backend, reason)
+        backend.next_probe_at_s = self._clock() + self.probe_interval_s
         return False
 
     def probe_ok(self, backend: Backend) -> bool:
