@@ -289,25 +289,22 @@ class Proxy:
                 status = resp.status
         except asyncio.TimeoutError:
             reason = f"health probe got no answer in {self.cfg.connect_timeout_s:g}s"
-            if pool.probe_timed_out(backend, reason):
-                self.metrics.ejections.labels(pool.role, backend.url).inc()
-                logger.warning("%s backend %s ejected: %s", pool.role, backend.url, reason)
-            else:
-                logger.info("%s backend %s: %s", pool.role, backend.url, reason)
-            return
+            ejected = pool.probe_timed_out(backend, reason)  # a busy backend answers late
         except aiohttp.ClientError as e:
             reason = f"health probe failed: {str(e) or type(e).__name__}"
+            ejected = pool.probe_failed(backend, reason)
         else:
             if status == 200:
                 if pool.probe_ok(backend):
                     logger.info("%s backend %s is healthy again", pool.role, backend.url)
                 return
             reason = f"health probe answered HTTP {status}"
-        if pool.probe_failed(backend, reason):
+            ejected = pool.probe_failed(backend, reason)
+        if ejected:
             self.metrics.ejections.labels(pool.role, backend.url).inc()
             logger.warning("%s backend %s ejected: %s", pool.role, backend.url, reason)
         else:
-            logger.debug("%s backend %s still down: %s", pool.role, backend.url, reason)
+            logger.info("%s backend %s: %s", pool.role, backend.url, reason)
 
     def pick(self, pool: BackendPool, tried: list[Backend], last: BackendFailure | None) -> Backend:
         try:
