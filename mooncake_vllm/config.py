@@ -116,10 +116,14 @@ class ConnectorConfig:
         env = {"MC_TCP_BIND_ADDRESS": self.host}
         if self.settings.protocol == "tcp":
             env["MC_FORCE_TCP"] = "1"
-        # Restarted peers re-register under the same name; refresh cached peer metadata.
-        env["MC_TE_METADATA_REFRESH_INTERVAL_SECONDS"] = os.environ.get(
-            "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", "5"
-        )
+        if self.metadata.kind != "p2p":
+            # With a store, a restarted peer re-registers under the same name: refresh cached
+            # peer metadata so its new descriptor is picked up. Not with P2P handshake: there a
+            # restarted peer gets a new name (a new RPC port), and the periodic sync asks the
+            # peer itself, which we saw stall in-flight reads from that peer for up to 30 s.
+            env["MC_TE_METADATA_REFRESH_INTERVAL_SECONDS"] = os.environ.get(
+                "MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", "5"
+            )
         return env
 
 

@@ -308,6 +308,18 @@ def test_tcp_bind_address_follows_the_url_host():
     assert resolve(s, "kv_consumer", "e", 1).engine_env()["MC_TCP_BIND_ADDRESS"] == "10.0.0.2"
 
 
+@pytest.mark.parametrize(
+    ("metadata_server", "refresh"),
+    [("P2PHANDSHAKE", None), ("etcd://h:2379", "5"), ("redis://h:6379", "5")],
+)
+def test_peer_metadata_refresh_only_with_a_store(metadata_server, refresh, monkeypatch):
+    # With a store a restarted peer keeps its name; with P2P it gets a new one, and the periodic
+    # sync (which asks the peer itself) was seen stalling in-flight reads.
+    monkeypatch.delenv("MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", raising=False)
+    cfg = resolve(_settings(metadata_server=metadata_server), "kv_consumer", "e", 1)
+    assert cfg.engine_env().get("MC_TE_METADATA_REFRESH_INTERVAL_SECONDS") == refresh
+
+
 def test_local_hostname_replaces_the_url_host():
     s = _settings(prefill_url="10.0.0.1:20000", local_hostname="node-7.example")
     cfg = resolve(s, "kv_producer", "e", tp_size=2)

@@ -216,10 +216,17 @@ async def test_redis_outage_and_a_restarted_consumer(pd, http, tmp_path, log_on_
         pair.store_server = servers.start_redis(port=port)
         log_on_failure(pair.store_server)
         deadline = time.monotonic() + 3 * METADATA_TTL_S
-        while await pair.store_get(registry_key(pair.prefill_id, 0)) is None:
-            assert time.monotonic() < deadline, "registry not republished after the store returned"
-            await asyncio.sleep(0.25)
-        assert await pair.store_get(f"mooncake/ram/{DECODE_HOST}:{DECODE_PORT}") is not None
+        for key in (  # each engine's bridge republishes on its own heartbeat
+            registry_key(pair.prefill_id, 0),
+            f"mooncake/ram/{PREFILL_HOST}:{PREFILL_PORT}",
+            registry_key(pair.decode_id, 0),
+            f"mooncake/ram/{DECODE_HOST}:{DECODE_PORT}",
+        ):
+            while await pair.store_get(key) is None:
+                assert time.monotonic() < deadline, (
+                    f"{key} not republished after the store returned"
+                )
+                await asyncio.sleep(0.25)
         # A consumer crashed and restarted under the same name pulls again.
         pair.restart("decode")
         usable_s = await _usable_within(pd, pair, http, seed=30, within_s=30)
