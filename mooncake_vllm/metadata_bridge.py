@@ -155,8 +155,8 @@ class _CachedStore:
 
 
 async def serve_bridge(target: MetadataTarget, ttl_s: float, parent_pid: int) -> None:
-    """Body of the bridge process: ping the store, serve, heartbeat; on SIGTERM or when the
-    parent (the worker) is gone, delete the keys this engine owned and return."""
+    """Body of the bridge process: ping the store, serve, heartbeat; on SIGTERM/SIGINT or when
+    the parent (the worker) is gone, delete the keys this engine owned and return."""
     kv = _CachedStore(open_store(target), ttl_s)
     try:
         await kv.store.ping()
@@ -169,7 +169,8 @@ async def serve_bridge(target: MetadataTarget, ttl_s: float, parent_pid: int) ->
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     print(f"READY http://127.0.0.1:{runner.addresses[0][1]}/metadata", flush=True)
     stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches the worker's whole group
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     period_s, next_beat = max(0.5, ttl_s / 3), time.monotonic()
     while not stop.is_set() and os.getppid() == parent_pid:
         if time.monotonic() >= next_beat:
