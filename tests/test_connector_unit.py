@@ -314,7 +314,7 @@ def test_tcp_bind_address_follows_the_url_host():
 )
 def test_peer_metadata_refresh_only_with_a_store(metadata_server, refresh, monkeypatch):
     # With a store a restarted peer keeps its name; with P2P it gets a new one, and the periodic
-    # sync (which asks the peer itself) was seen stalling in-flight reads.
+    # sync asks the peer itself (once seen beside a read hung for 30 s).
     monkeypatch.delenv("MC_TE_METADATA_REFRESH_INTERVAL_SECONDS", raising=False)
     cfg = resolve(_settings(metadata_server=metadata_server), "kv_consumer", "e", 1)
     assert cfg.engine_env().get("MC_TE_METADATA_REFRESH_INTERVAL_SECONDS") == refresh
