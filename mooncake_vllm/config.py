@@ -23,7 +23,12 @@ from pydantic import (
     model_validator,
 )
 
-from mooncake_vllm.metadata import P2P_HANDSHAKE, MetadataTarget, parse_metadata_server
+from mooncake_vllm.metadata import (
+    P2P_HANDSHAKE,
+    MetadataTarget,
+    parse_metadata_server,
+    split_host_port,
+)
 
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -34,10 +39,10 @@ class ConfigError(ValueError):
 
 
 def _host_port(key: str, value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    host_port = split_host_port(value)
+    if host_port is None:
         raise ValueError(f"{key}={value!r} must be 'host:port', e.g. '127.0.0.1:13003'")
-    return host, int(port)
+    return host_port
 
 
 class MooncakeSettings(BaseModel):

@@ -48,11 +48,18 @@ class MetadataTarget:
         return P2P_HANDSHAKE if self.kind == "p2p" else f"{self.kind} {','.join(self.endpoints)}"
 
 
-def _check_host_port(value: str, original: str) -> str:
-    host, sep, port = value.strip().rpartition(":")
+def split_host_port(value: str) -> tuple[str, int] | None:
+    """``"host:port"`` → ``(host, port)``; None when it is not that (callers word the error)."""
+    host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def _check_host_port(value: str, original: str) -> str:
+    if split_host_port(value.strip()) is None:
         raise ValueError(f"metadata_server={original!r}: {value!r} is not 'host:port'")
-    return f"{host}:{port}"
+    return value.strip()
 
 
 def parse_metadata_server(server: str, backend: str | None = None) -> MetadataTarget:
