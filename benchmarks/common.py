@@ -152,6 +152,16 @@ def write_result(
     return json_path, png_path
 
 
+def save_figure(fig: Any, path: Path, title: str) -> None:
+    """The shared tail of every benchmark's plot: title, layout, PNG, figure closed."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)

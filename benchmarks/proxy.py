@@ -169,10 +169,7 @@ def plot(rows: list[dict], samples: list[dict]):
         ax2.set_ylabel("requests/s")
         conc = next((s["concurrency"] for s in samples if s["phase"] == "throughput"), "?")
         ax2.set_title(f"closed loop, {conc} clients")
-        fig.suptitle("proxy cost in front of instant backends")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        common.save_figure(fig, path, "proxy cost in front of instant backends")
 
     return draw
 

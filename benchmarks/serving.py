@@ -387,28 +387,21 @@ def plot(rows: list[dict]):
                 xs, ys = [r["prompt"] for r in sel], [r[y] for r in sel]
                 ax.plot(xs, ys, "-o", color=colors[config], label=config)
 
-        for ax, conc in zip(axes, concs, strict=False):
-            for c in CONFIGS:
-                sel = [r for r in rows if r["config"] == c and r["conc"] == conc]
-                series(ax, sel, "ttft_p50", c)
+        def panel(ax, configs, conc: int, y: str, ylabel: str, title: str) -> None:
+            for c in configs:
+                series(ax, [r for r in rows if r["config"] == c and r["conc"] == conc], y, c)
             ax.set_xlabel("prompt tokens")
-            ax.set_ylabel("TTFT p50 (ms)")
-            ax.set_title(f"TTFT, concurrency {conc}")
+            ax.set_ylabel(ylabel)
+            ax.set_title(title)
             ax.grid(alpha=0.3)
             ax.legend()
-        ax = axes[-1]
-        for c in ("ours", "builtin"):
-            sel = [r for r in rows if r["config"] == c and r["conc"] == concs[0]]
-            series(ax, sel, "kv_ms/req", c)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("KV transfer per request (ms, own counters)")
-        ax.set_title(f"KV transfer time, concurrency {concs[0]}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.suptitle("tiny model, CPU, 1P1D over TCP loopback vs one plain vLLM")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+
+        for ax, conc in zip(axes, concs, strict=False):
+            panel(ax, CONFIGS, conc, "ttft_p50", "TTFT p50 (ms)", f"TTFT, concurrency {conc}")
+        kv_title = f"KV transfer time, concurrency {concs[0]}"
+        kv_label = "KV transfer per request (ms, own counters)"
+        panel(axes[-1], ("ours", "builtin"), concs[0], "kv_ms/req", kv_label, kv_title)
+        common.save_figure(fig, path, "tiny model, CPU, 1P1D over TCP loopback vs one plain vLLM")
 
     return draw
 

@@ -309,10 +309,9 @@ def plot(rows: list[dict]):
             ax.set_title(f"KV shape '{shape}'")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        fig.suptitle("KV pull bandwidth: transfer engine over TCP loopback, 2 processes")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        common.save_figure(
+            fig, path, "KV pull bandwidth: transfer engine over TCP loopback, 2 processes"
+        )
 
     return draw
 
