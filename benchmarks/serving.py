@@ -235,6 +235,12 @@ def ours_counters(stack: Stack) -> dict:
         "transfers": d.metric("mooncake_vllm:pulls_total"),
         "seconds": d.metric("mooncake_vllm:pull_duration_seconds_sum"),
         "bytes": d.metric("mooncake_vllm:bytes_total"),
+        "failures": d.metric("mooncake_vllm:pull_failures_total"),
+        "retries": d.metric("mooncake_vllm:retries_total"),
+        "stalls": d.metric("mooncake_vllm:stalls_total"),
+        "acquire_seconds": d.metric("mooncake_vllm:acquire_duration_seconds_sum"),
+        "read_seconds": d.metric("mooncake_vllm:read_duration_seconds_sum"),
+        "acquire_buckets": d.histogram("mooncake_vllm:acquire_duration_seconds"),
     }
 
 
@@ -304,9 +310,14 @@ def sweep(stack: Stack, lengths, concurrencies, requests: int, rounds: int, seed
                 after = counters(stack)
                 for c, a in after.items():
                     b = before[c]
+                    delta = {k: a[k] - b[k] for k in a if not k.endswith("_buckets")}
+                    if "acquire_buckets" in a:
+                        delta["acquire_p99_s"] = servers.histogram_quantile(
+                            b["acquire_buckets"], a["acquire_buckets"], 0.99
+                        )
                     cells.append(
                         {"config": c, "prompt_tokens": length, "concurrency": conc,
-                         "kind": "kv_counters", **{k: a[k] - b[k] for k in a}}
+                         "kind": "kv_counters", **delta}
                     )  # fmt: skip
     finally:
         bar.close()
@@ -355,7 +366,14 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
                 "kv_ms/req": float("nan"),
                 "kv_MB/req": float("nan"),
                 "kv_GB/s": float("nan"),
+                "failed": float("nan"),
+                "retries": float("nan"),
+                "acq_p99_ms": float("nan"),
             }
+            if kv and "failures" in kv:  # ours: failed pulls (recomputed), retried entries
+                row["failed"] = kv["failures"]
+                row["retries"] = kv["retries"]
+                row["acq_p99_ms"] = 1000 * kv["acquire_p99_s"]
             if kv and kv["transfers"] > 0:
                 row["kv_ms/req"] = kv["seconds"] * 1000 / kv["transfers"]
                 row["kv_MB/req"] = kv["bytes"] / 1e6 / kv["transfers"]

@@ -9,7 +9,7 @@ each KV shape and prompt length, the same bytes are moved four ways, interleaved
 
 - ``ours``: what the decode worker does for one pull — ``plan_regions`` over the layer
   segments (``tensor_segments``) for the prompt's blocks, then ``TransferEngine.read``
-  (``mooncake_vllm.engine``: chunked batches, status polling, deadline);
+  (``mooncake_vllm.engine``: one-entry batches, non-blocking status polls, deadline);
 - ``raw_te``: the bare ``mooncake.engine`` object, one ``batch_transfer_sync_read`` of the same
   number of bytes per layer cut in large (``--chunk-mib``) contiguous chunks;
 - ``socket``: the producer sends the same number of bytes over a loopback TCP socket;
@@ -45,6 +45,7 @@ from mooncake_vllm.planning import plan_regions, tensor_segments
 PRODUCER_HOST, CONSUMER_HOST = "127.0.0.2", "127.0.0.3"
 METHODS = ["ours", "raw_te", "socket", "memcpy"]
 MAX_BATCH_ENTRIES = 512  # the connector's default max_batch_entries
+STALL_TIMEOUT_S = 2  # the connector's default stall_timeout_s
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,11 @@ class Bench:
         dst = [seg for layer in self.local for seg in layer]
         regions = plan_regions(src, dst, src_ids, dst_ids)
         result = self.engine.read(
-            self.peer.segment, regions, MAX_BATCH_ENTRIES, deadline=time.monotonic() + 60
+            self.peer.segment,
+            regions,
+            deadline=time.monotonic() + 60,
+            stall_s=STALL_TIMEOUT_S,
+            max_in_flight=MAX_BATCH_ENTRIES,
         )
         return {"s": time.perf_counter() - t0, "bytes": result.bytes, "entries": result.entries}
 

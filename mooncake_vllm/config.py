@@ -70,7 +70,10 @@ class MooncakeSettings(BaseModel):
     kv_buffer_size: int = Field(1_000_000_000, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0)
     load_timeout_s: float = Field(30.0, gt=0)
-    # Transfer-engine batches above ~2000 entries fail on TCP; keep well below.
+    # A transfer-engine entry (one region, one TCP connection) that makes no progress for this
+    # long is dropped by the engine and read again (whole seconds: the engine's unit).
+    stall_timeout_s: int = Field(2, ge=1, le=60)
+    # Transfer-engine entries one pull keeps in flight (each its own TCP connection).
     max_batch_entries: int = Field(512, gt=0, le=2000)
 
     @field_validator("prefill_url", "decode_url")
@@ -117,10 +120,17 @@ class ConnectorConfig:
         return parse_metadata_server(self.settings.metadata_server, self.settings.metadata_backend)
 
     def engine_env(self) -> dict[str, str]:
-        """Environment the transfer engine reads at initialize (it ignores ``protocol``)."""
-        env = {"MC_TCP_BIND_ADDRESS": self.host}
+        """Every transfer-engine environment setting we choose, with why (the engine reads them
+        once, at initialize; it ignores ``protocol``). Listed in the README."""
+        env = {
+            # Bind and advertise the configured address, not the machine's first interface.
+            "MC_TCP_BIND_ADDRESS": self.host,
+            # Drop an entry's connection after this long without progress, so a stalled read
+            # ends (and is retried) instead of hanging 30 s; a dropped one can no longer write.
+            "MC_TCP_PROGRESS_TIMEOUT_SEC": str(self.settings.stall_timeout_s),
+        }
         if self.settings.protocol == "tcp":
-            env["MC_FORCE_TCP"] = "1"
+            env["MC_FORCE_TCP"] = "1"  # the engine's only transport switch
         if self.metadata.kind != "p2p":
             # With a store, a restarted peer re-registers under the same name: refresh cached
             # peer metadata so its new descriptor is picked up. Not with P2P handshake: there a

@@ -108,6 +108,8 @@ class MooncakeConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # ---- scheduler side ------------------------------------------------------------------
 
@@ -122,7 +124,7 @@ class MooncakeConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -5,29 +5,33 @@ Transfer-engine quirks this wrapper absorbs:
   into ``TransferError`` carrying the peer and the entry count;
 - any method called before a successful ``initialize`` segfaults: the engine object is only kept
   once ``initialize`` returned 0;
-- ``get_batch_transfer_status`` frees the batch once it reports a final state (0 done, -1 failed):
-  a batch is polled until then and never again;
+- ``get_batch_transfer_status`` and ``batch_transfer_sync_read`` spin a core until the batch ends:
+  never called; ``transfer_check_status`` polls (without blocking) one-entry batches instead;
 - it reads its transport from the environment (``MC_FORCE_TCP``), not from ``protocol``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from mooncake_vllm.planning import Region, chunk
+from mooncake_vllm.planning import Region
 
 logger = logging.getLogger(__name__)
 
-_STATUS_DONE, _STATUS_PENDING = 0, 1
-# Polling backoff cap: a read is seen done up to this late (~half of it on average). It was 2 ms,
-# i.e. ~1 ms late on a 1-15 ms pull; 0.25 ms costs ~4000 status calls (µs each) per second of
-# reading. On 2 shared cores the transfer benchmark could not tell the two apart beyond its noise.
-_MAX_POLL_SLEEP_S = 0.00025
+# transfer_check_status: 1 done and 0 pending (the batch is freed on 1 and -1); -1 failed; -2
+# timed out (only with MC_SLICE_TIMEOUT, which we do not set).
+_CHECK_DONE, _CHECK_PENDING, _CHECK_TIMED_OUT = 1, 0, -2
+# Poll interval: starts short so a 1-15 ms read is seen done promptly, grows with the read's age
+# (at most a 20th of it, capped) so a long read costs a few dozen status calls per second.
+_MIN_POLL_S, _MAX_POLL_S = 0.0001, 0.005
+_SCRATCH_BYTES = 64
 
 
 class EngineInitError(RuntimeError):
@@ -48,8 +52,9 @@ class TransferTimeout(TransferError):
 class ReadResult:
     bytes: int
     entries: int
-    batches: int
     duration_s: float
+    retries: int = 0  # entries read again after a failed attempt
+    stalls: int = 0  # of those, attempts the engine dropped for making no progress
 
 
 class TransferEngine:
@@ -81,6 +86,8 @@ class TransferEngine:
         self._p2p = metadata_server == "P2PHANDSHAKE"
         self._registered: list[int] = []
         self._lock = threading.Lock()
+        self._warm: set[str] = set()  # peers this engine has read from (handshake done)
+        self._scratch: ctypes.Array | None = None
 
     @property
     def segment_name(self) -> str:
@@ -100,78 +107,106 @@ class TransferEngine:
         self,
         peer: str,
         regions: Sequence[Region],
-        max_entries: int,
+        *,
         deadline: float,
-        settle_deadline: float | None = None,
+        stall_s: float,
+        max_in_flight: int,
+        should_start: Callable[[], bool] = lambda: True,
     ) -> ReadResult:
-        """Copy every ``src_addr`` on ``peer`` to the local ``dst_addr``.
+        """Copy every ``src_addr`` on ``peer`` to the local ``dst_addr``; raise ``TransferError``
+        (``TransferTimeout`` past ``deadline``) if some region could not be read.
 
-        All batches are in flight at once, polled with a short sleep (no spinning). Raises
-        ``TransferError`` on failure and ``TransferTimeout`` once ``deadline`` has passed; reads
-        still in flight then are polled until ``settle_deadline`` first, so that, when it
-        returns, no write is normally left to land in the destination later."""
-        settle_deadline = max(deadline, settle_deadline or deadline)
+        Each region is its own one-entry batch, so ``transfer_check_status`` (which never blocks,
+        but sees only a batch's first entry) tells exactly when it ends; the blocking status calls
+        spin a core for the whole transfer. Between polls the thread sleeps.
+
+        A failed entry is read again (reads are idempotent) while a retry can still finish by
+        ``deadline``: on TCP the engine drops an entry's connection after ``stall_s`` without
+        progress (``MC_TCP_PROGRESS_TIMEOUT_SEC``), so a stalled entry fails and is retried.
+
+        No write can land after this returns or raises: it only returns once every entry it
+        submitted has ended (done, or failed with its connection closed), so the destination
+        blocks can be handed back to vLLM. Entries that make no progress end ``stall_s`` after
+        their last progress; no new attempt starts unless it can end by ``deadline``.
+        ``should_start`` is asked once before the first submit (a pull abandoned meanwhile
+        submits nothing)."""
         start = time.monotonic()
-        batches: list[tuple[int, int]] = []  # (batch id, entries)
-        for part in chunk(regions, max_entries):
-            bid = self._te.batch_transfer_async_read(
-                peer,
-                [r.dst_addr for r in part],
-                [r.src_addr for r in part],
-                [r.length for r in part],
-            )
-            if bid == 0:
-                self._drain(peer, batches, deadline, settle_deadline)
-                raise TransferError("batch submit refused", peer=peer, entries=len(part))
-            batches.append((bid, len(part)))
-        self._drain(peer, batches, deadline, settle_deadline, raise_on_error=True)
+        todo = deque((r, 0) for r in regions)  # (region, failed attempts so far)
+        in_flight: dict[int, tuple[Region, int, float]] = {}  # batch id -> (region, tries, t0)
+        retries = stalls = 0
+        failure: TransferError | None = None
+        if not should_start():
+            raise TransferError("pull abandoned before its read started", peer=peer, entries=0)
+        while todo or in_flight:
+            now = time.monotonic()
+            while todo and len(in_flight) < max_in_flight and failure is None:
+                region, tries = todo[0]
+                if now >= deadline or (tries and now + stall_s > deadline):
+                    failure = TransferTimeout(
+                        f"{len(todo)} regions unread by the deadline", peer=peer, entries=len(todo)
+                    )
+                    break
+                todo.popleft()
+                bid = self._te.batch_transfer_async_read(
+                    peer, [region.dst_addr], [region.src_addr], [region.length]
+                )
+                if bid == 0:  # refused at submit (e.g. the peer's handshake failed): retry
+                    todo.append((region, tries + 1))
+                    retries += 1
+                    break  # back off one poll interval before submitting again
+                in_flight[bid] = (region, tries, now)
+            for bid, (region, tries, t0) in list(in_flight.items()):
+                status = self._te.transfer_check_status(bid)
+                if status in (_CHECK_PENDING, _CHECK_TIMED_OUT):
+                    continue
+                del in_flight[bid]
+                if status != _CHECK_DONE:
+                    retries += 1
+                    stalls += time.monotonic() - t0 >= stall_s
+                    todo.append((region, tries + 1))
+            if failure is not None and not in_flight:
+                raise failure
+            if not todo and not in_flight:
+                break
+            age = time.monotonic() - start
+            time.sleep(min(_MAX_POLL_S, max(_MIN_POLL_S, age / 20)))
         return ReadResult(
             bytes=sum(r.length for r in regions),
             entries=len(regions),
-            batches=len(batches),
             duration_s=time.monotonic() - start,
+            retries=retries,
+            stalls=stalls,
         )
 
-    def _drain(
-        self,
-        peer: str,
-        batches: list[tuple[int, int]],
-        deadline: float,
-        settle_deadline: float,
-        raise_on_error: bool = False,
-    ) -> None:
-        pending = list(batches)
-        failure: TransferError | None = None
-        late = False
-        sleep_s = 0.0001
-        while pending:
-            still = []
-            for bid, n in pending:
-                status = self._te.get_batch_transfer_status([bid])
-                if status == _STATUS_PENDING:
-                    still.append((bid, n))
-                elif status != _STATUS_DONE and failure is None:
-                    failure = TransferError("batch read failed", peer=peer, entries=n, code=status)
-            pending = still
-            if not pending:
-                break
-            now = time.monotonic()
-            late = late or now > deadline
-            if now > settle_deadline:
-                n = sum(e for _, e in pending)
-                logger.error(
-                    "%d read entries from %s still in flight %.1fs past the deadline; they may "
-                    "land later", n, peer, now - deadline,
-                )  # fmt: skip
-                raise TransferTimeout("read not finished by the deadline", peer=peer, entries=n)
-            time.sleep(sleep_s)
-            # A pull's end is seen at most _MAX_POLL_SLEEP_S late; a status poll costs ~µs.
-            sleep_s = min(sleep_s * 2, _MAX_POLL_SLEEP_S)
-        if failure and raise_on_error:
-            raise failure
-        if late:
-            n = sum(e for _, e in batches)
-            raise TransferTimeout("read finished after the deadline", peer=peer, entries=n)
+    def warm_up(self, peer: str, src_addr: int, *, deadline: float, stall_s: float) -> None:
+        """Read a few bytes from ``peer`` into a private scratch buffer: the first contact with a
+        peer does the engine's handshake on the calling thread, which can block for long on a
+        starved or dead peer. Doing it here keeps that wait off the KV blocks (see ``read``).
+        A failed attempt is retried while one can still end by ``deadline``."""
+        if peer in self._warm:
+            return
+        if self._scratch is None:
+            self._scratch = ctypes.create_string_buffer(_SCRATCH_BYTES)
+            self.register(ctypes.addressof(self._scratch), _SCRATCH_BYTES)
+        dst = ctypes.addressof(self._scratch)
+        status = None
+        while status is None or time.monotonic() + stall_s <= deadline:
+            bid = self._te.batch_transfer_async_read(peer, [dst], [src_addr], [_SCRATCH_BYTES])
+            status = -1
+            if bid == 0:  # refused at submit (handshake failed): back off before the next try
+                time.sleep(_MAX_POLL_S)
+            else:
+                sleep_s = _MIN_POLL_S
+                while (status := self._te.transfer_check_status(bid)) in (
+                    _CHECK_PENDING,
+                    _CHECK_TIMED_OUT,
+                ):
+                    time.sleep(sleep_s)
+                    sleep_s = min(2 * sleep_s, _MAX_POLL_S)
+            if status == _CHECK_DONE:
+                self._warm.add(peer)
+                return
+        raise TransferError("no read from the peer succeeded", peer=peer, entries=1, code=status)
 
     def close(self) -> None:
         with self._lock:

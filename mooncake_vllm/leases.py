@@ -48,6 +48,7 @@ class LeaseTable:
         pull_hold_s: float,
         clock: Callable[[], float] = time.monotonic,
         remember_ended: int = 8192,
+        on_end: Callable[[], None] = lambda: None,
     ):
         self._ttl_s = ttl_s
         self._budget_bytes = budget_bytes
@@ -59,6 +60,8 @@ class LeaseTable:
         self._remember_ended = remember_ended
         self._finished_req_ids: set[str] = set()
         self.ended_counts: dict[str, int] = {}
+        # Told (under the table's lock) when a lease ends: its blocks can be reported to vLLM.
+        self._on_end = on_end
 
     def add(self, req_id: str, transfer_id: str, block_ids: list[int], nbytes: int) -> None:
         with self._lock:
@@ -104,6 +107,11 @@ class LeaseTable:
             for lease in [x for x in self._live.values() if x.deadline_s <= now]:
                 self._end(lease, "expired")
 
+    def next_deadline_s(self) -> float | None:
+        """When the earliest live lease expires (None if none is live)."""
+        with self._lock:
+            return min((x.deadline_s for x in self._live.values()), default=None)
+
     def take_finished(self) -> set[str]:
         with self._lock:
             out, self._finished_req_ids = self._finished_req_ids, set()
@@ -136,3 +144,4 @@ class LeaseTable:
             self._ended.popitem(last=False)
         self._finished_req_ids.add(lease.req_id)
         self.ended_counts[reason] = self.ended_counts.get(reason, 0) + 1
+        self._on_end()

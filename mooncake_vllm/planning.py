@@ -80,9 +80,3 @@ def plan_regions(
                     continue
             regions.append(Region(src_addr, dst_addr, s.block_len))
     return regions
-
-
-def chunk(regions: Sequence[Region], max_entries: int) -> list[list[Region]]:
-    if max_entries <= 0:
-        raise PlanError("max_entries must be positive")
-    return [list(regions[i : i + max_entries]) for i in range(0, len(regions), max_entries)]

@@ -14,30 +14,39 @@ handoff alike.
 from __future__ import annotations
 
 import logging
+import queue
+import sys
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import zmq
 from vllm.v1.request import RequestStatus
 
 from mooncake_vllm.config import ConnectorConfig
+from mooncake_vllm.local_channels import HoldSender, WakeForwarder, hold_endpoint, wake_endpoint
 from mooncake_vllm.protocol import (
     Handoff,
     HandoffError,
+    Hold,
     compat_hash,
     parse_handoff,
     validate_handoff,
 )
-from mooncake_vllm.step_metadata import HoldSpec, LoadSpec, MooncakeConnectorMetadata
+from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
+# Without the engine core to look at (see ``_find_engine_core``): pause idle steps this long.
 IDLE_STEP_PAUSE_S = 0.002
+# Resting is ended by a worker's wake-up or a new request; this only bounds a lost wake-up.
+MAX_REST_S = 10.0
 
 # A finished request whose prompt KV is complete: its blocks can be handed over.
 _HANDOVER_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -67,7 +76,20 @@ class SchedulerHalf:
         self._compat_hash = engine_compat_hash(vllm_config)
         self._te_segments: list[str] = []
         self._loads: dict[str, LoadSpec] = {}
-        self._holds: list[HoldSpec] = []
+        self._hold_sender: HoldSender | None = None
+        if cfg.is_producer:
+            self._hold_sender = HoldSender(
+                [hold_endpoint(cfg.host, cfg.side_channel_port(r)) for r in range(cfg.tp_size)]
+            )
+        self._engine_core = _find_engine_core()
+        self._waker: WakeForwarder | None = None
+        if self._engine_core is not None:
+            try:
+                self._waker = WakeForwarder(
+                    wake_endpoint(cfg.host, cfg.base_port), self._wake_engine_core
+                )
+            except zmq.ZMQError as e:  # cannot rest without it: pause idle steps instead
+                logger.warning("wake-up socket unavailable (%s): idle steps are paused", e)
         # Consumer: transfer ids already pulled (bounded), to refuse a replayed handoff.
         self._seen_transfer_ids: OrderedDict[str, str] = OrderedDict()
         self._remember_ids = remember_ids
@@ -156,7 +178,9 @@ class SchedulerHalf:
         if not isinstance(transfer_id, str) or not transfer_id:
             transfer_id = f"{self._cfg.engine_id}/{request.request_id}"
         prompt_block_ids = list(block_ids[:num_blocks])
-        self._holds.append(HoldSpec(request.request_id, transfer_id, prompt_block_ids))
+        # Straight to the workers, before the handoff leaves this process: an acquire never
+        # waits for the next step (see local_channels).
+        self._hold_sender.send(Hold(request.request_id, transfer_id, prompt_block_ids))
         handoff = Handoff(
             transfer_id=transfer_id,
             producer_engine_id=self._cfg.engine_id,
@@ -175,13 +199,61 @@ class SchedulerHalf:
 
     # ---- every step ----------------------------------------------------------------------
 
-    def build_connector_meta(self, num_scheduled_tokens: int) -> MooncakeConnectorMetadata:
-        meta = MooncakeConnectorMetadata(loads=list(self._loads.values()), holds=self._holds)
-        self._loads, self._holds = {}, []
-        if num_scheduled_tokens == 0 and not meta.loads and not meta.holds:
-            # vLLM steps back to back while a finished request's blocks are held for a consumer
-            # or a request waits for its KV, even with nothing to compute: unthrottled, the
-            # engine-core and worker processes each burn a core for as long as that lasts. A
-            # short pause bounds that, at <= IDLE_STEP_PAUSE_S of latency to see a transfer end.
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:
+        meta = MooncakeConnectorMetadata(loads=list(self._loads.values()))
+        self._loads = {}
+        if meta.loads or scheduler_output.total_num_scheduled_tokens:
+            return meta
+        if self._waker is None:
+            # vLLM steps back to back while a finished request's blocks are held or a request
+            # waits for its KV: unthrottled, that burns a core in engine core and worker alike.
             time.sleep(IDLE_STEP_PAUSE_S)
+        elif not scheduler_output.finished_req_ids and self._only_waiting_on_workers():
+            self._rest()
         return meta
+
+    def _only_waiting_on_workers(self) -> bool:
+        """Nothing can run until a worker reports (a pull ends, a lease ends): no running
+        request, every waiting one waits for its KV (a new request wakes ``_rest``)."""
+        sched = self._engine_core.scheduler
+        if sched.running:
+            return False
+        waiting = (*sched.waiting, *getattr(sched, "kv_holding_waiting", ()))
+        return all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in waiting)
+
+    def _rest(self) -> None:
+        """Do not let vLLM step until a worker has something to report or a request arrives.
+
+        vLLM steps every millisecond while leases are held or loads pending, and every step
+        wakes its workers, whose message-queue readers then busy-wait for a second: without
+        this an idle prefill or decode keeps two cores busy. Both events arrive in vLLM's input
+        queue (a worker's wake-up as a no-op WAKEUP request, see ``_wake_engine_core``), so the
+        wait is on that queue's own condition, which ``put`` notifies: nothing polls."""
+        inputs: queue.Queue = self._engine_core.input_queue
+        with inputs.not_empty:
+            inputs.not_empty.wait_for(lambda: inputs._qsize() > 0, timeout=MAX_REST_S)
+
+    def _wake_engine_core(self) -> None:
+        from vllm.v1.engine import EngineCoreRequestType
+
+        self._engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    def shutdown(self) -> None:
+        if self._hold_sender is not None:
+            self._hold_sender.close()
+        if self._waker is not None:
+            self._waker.close()
+
+
+def _find_engine_core() -> Any | None:
+    """vLLM's engine core building this scheduler (its input queue tells when a request arrives),
+    found on the call stack; None where there is none (e.g. an in-process test)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(getattr(owner, "input_queue", None), queue.Queue) and type(
+            owner
+        ).__name__.startswith("EngineCore"):
+            return owner
+        frame = frame.f_back
+    return None

@@ -2,14 +2,18 @@
 
 ZeroMQ ROUTER on the producer, one DEALER per peer on the consumer; frames from ``protocol``.
 The producer answers ``Acquire`` with the lease's memory layout (or a refusal) and ``Release`` with
-``Released``. An ``Acquire`` for a transfer id the producer has not heard of yet (the handoff can
-reach the consumer a step before the producer's worker learns of the lease) waits up to
-``unknown_wait_s`` before it is refused.
+``Released``. The leases themselves arrive as ``Hold`` frames from this engine's scheduler half over
+a local ipc socket (``local_channels``), before the handoff leaves the engine, so an ``Acquire``
+normally finds its lease at once; one for a transfer id not heard of yet waits (answered as soon as
+the hold arrives) up to ``unknown_wait_s`` before it is refused. The thread sleeps in ``poll``
+until a frame arrives or a lease or a waiting acquire has a deadline: no periodic tick.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +27,7 @@ from mooncake_vllm.protocol import (
     Acquire,
     Frame,
     Granted,
+    Hold,
     MemSegment,
     Refused,
     Release,
@@ -32,6 +37,10 @@ from mooncake_vllm.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Test hook (tests/test_new_user_setup.py): a producer that freezes right after granting a
+# transfer whose id starts with this prefix, as a producer stopped mid-pull would. Unset: off.
+_FREEZE_PREFIX = os.environ.get("MOONCAKE_VLLM_TEST_FREEZE_AFTER_GRANT", "")
 
 
 class SideChannelError(RuntimeError):
@@ -54,20 +63,30 @@ class SideChannelServer:
         port: int,
         leases: LeaseTable,
         layout: Callable[[], tuple[str, list[MemSegment]]],
+        on_hold: Callable[[Hold], None],
+        hold_endpoint: str | None = None,
         unknown_wait_s: float = 5.0,
-        tick_s: float = 0.01,
+        max_idle_s: float = 1.0,
     ):
         self._leases = leases
         self._layout = layout
+        self._on_hold = on_hold
         self._unknown_wait_s = unknown_wait_s
-        self._tick_ms = int(tick_s * 1000)
+        self._max_idle_s = max_idle_s
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._holds: zmq.Socket | None = None
         try:
             self._sock.bind(f"tcp://{host}:{port}")
+            if hold_endpoint is not None:
+                self._holds = self._ctx.socket(zmq.PULL)
+                self._holds.setsockopt(zmq.LINGER, 0)
+                self._holds.bind(hold_endpoint)
         except zmq.ZMQError as e:
             self._sock.close()
+            if self._holds is not None:
+                self._holds.close()
             raise SideChannelError(
                 f"side channel cannot bind {host}:{port} ({e}); is another engine using this "
                 "port? Set prefill_url/decode_url ports apart"
@@ -79,19 +98,42 @@ class SideChannelServer:
         self._thread = threading.Thread(target=self._run, name="mooncake-side-channel", daemon=True)
         self._thread.start()
 
+    def _poll_timeout_ms(self) -> int:
+        """Sleep until the next thing that has a time: a waiting acquire's refusal or a lease's
+        expiry (at most ``max_idle_s``, so ``close`` is seen). No periodic tick otherwise."""
+        now = time.monotonic()
+        until = [now + self._max_idle_s, *(w.until_s for w in self._waiting)]
+        if (lease_deadline := self._leases.next_deadline_s()) is not None:
+            until.append(lease_deadline)
+        return max(1, int(1000 * (min(until) - now)) + 1)
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        if self._holds is not None:
+            poller.register(self._holds, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if poller.poll(self._tick_ms):
-                    identity, payload = self._sock.recv_multipart()[:2]
-                    self._handle(identity, payload)
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if self._holds is not None and self._holds in events:
+                    while self._holds.poll(0):
+                        self._take_hold(self._holds.recv())
+                if self._sock in events:
+                    while self._sock.poll(0):
+                        identity, payload = self._sock.recv_multipart()[:2]
+                        self._handle(identity, payload)
                 self._retry_waiting()
                 self._leases.expire()
             except Exception:  # the engine must outlive any bad frame or peer
                 logger.exception("side channel error (continuing)")
         self._sock.close()
+        if self._holds is not None:
+            self._holds.close()
+
+    def _take_hold(self, payload: bytes) -> None:
+        frame = decode_frame(payload)
+        if isinstance(frame, Hold):
+            self._on_hold(frame)
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         try:
@@ -108,7 +150,7 @@ class SideChannelServer:
         elif isinstance(frame, Release):
             self._leases.release(frame.transfer_id, "released" if frame.ok else "pull failed")
             self._send(identity, Released(frame.transfer_id))
-        else:
+        else:  # Hold included: holds come only from this engine's scheduler, over ipc
             logger.warning("dropping unexpected side-channel frame %s", type(frame).__name__)
 
     def _answer_acquire(self, identity: bytes, frame: Acquire) -> bool:
@@ -118,6 +160,9 @@ class SideChannelServer:
         if isinstance(got, Lease):
             segment, segments = self._layout()
             self._send(identity, Granted(frame.transfer_id, segment, segments))
+            if _FREEZE_PREFIX and frame.transfer_id.startswith(_FREEZE_PREFIX):
+                # Test hook: stop this process once the grant is (very likely) on the wire.
+                threading.Timer(0.001, os.kill, (os.getpid(), signal.SIGSTOP)).start()
         else:
             self._send(identity, Refused(frame.transfer_id, got))
         return True

@@ -16,13 +16,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 _COUNTERS = ("pulls", "pull_failures", "bytes", "blocks", "entries", "released", "expired",
-             "evicted", "refused", "acquire_s", "read_s")  # fmt: skip
+             "evicted", "refused", "retries", "stalls", "acquire_s", "read_s")  # fmt: skip
+# Per-pull samples, one list each, observed into the histograms below.
+_SAMPLES = ("durations_s", "acquires_s", "reads_s")
 
 
 def _empty() -> dict[str, Any]:
     # held_leases is a point-in-time value per TP rank ({rank: count}): aggregation keeps the
     # newest value of each rank instead of summing over steps.
-    return {**dict.fromkeys(_COUNTERS, 0), "durations_s": [], "held_leases": None}
+    return {**dict.fromkeys(_COUNTERS, 0), **{k: [] for k in _SAMPLES}, "held_leases": None}
 
 
 def _held(data: dict[str, Any]) -> int | None:
@@ -51,6 +53,8 @@ class MooncakeStats(KVConnectorStats):
         self.data["blocks"] += blocks
         self.data["entries"] += entries
         self.data["durations_s"].append(duration_s)
+        self.data["acquires_s"].append(acquire_s)
+        self.data["reads_s"].append(read_s)
 
     def count(self, key: str, n: int = 1) -> None:
         self.data[key] += n
@@ -61,9 +65,8 @@ class MooncakeStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> MooncakeStats:
         for key in _COUNTERS:
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
-        self.data["durations_s"] = self.data.get("durations_s", []) + list(
-            other.data.get("durations_s", [])
-        )
+        for key in _SAMPLES:
+            self.data[key] = self.data.get(key, []) + list(other.data.get(key, []))
         if other.data.get("held_leases"):
             self.data["held_leases"] = {
                 **(self.data.get("held_leases") or {}),
@@ -114,14 +117,22 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                 ("expired", "producer leases ended by TTL"),
                 ("evicted", "producer leases evicted over kv_buffer_size"),
                 ("refused", "pulls the producer refused (unknown, ended or foreign blocks)"),
+                ("retries", "transfer-engine entries read again after a failed attempt"),
+                ("stalls", "entry attempts the engine dropped for making no progress"),
             )
         }
-        self._duration = per_engine(
-            self._histogram_cls,
-            "mooncake_vllm:pull_duration_seconds",
-            "Wall time of one KV pull (side channel + transfer engine)",
-            buckets=[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30],
-        )
+        buckets = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30]
+        self._histograms = {
+            key: per_engine(self._histogram_cls, name, doc, buckets=buckets)
+            for key, name, doc in (
+                ("durations_s", "mooncake_vllm:pull_duration_seconds",
+                 "Wall time of one KV pull (side channel + transfer engine)"),
+                ("acquires_s", "mooncake_vllm:acquire_duration_seconds",
+                 "Acquire round trip of one pull (side channel, producer wait included)"),
+                ("reads_s", "mooncake_vllm:read_duration_seconds",
+                 "Transfer-engine read of one pull, retries included"),
+            )
+        }  # fmt: skip
         self._held = per_engine(
             self._gauge_cls,
             "mooncake_vllm:held_leases",
@@ -133,7 +144,8 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
         for key, metrics in self._counters.items():
             if transfer_stats_data.get(key):
                 metrics[engine_idx].inc(transfer_stats_data[key])
-        for d in transfer_stats_data.get("durations_s", ()):
-            self._duration[engine_idx].observe(d)
+        for key, metrics in self._histograms.items():
+            for value in transfer_stats_data.get(key, ()):
+                metrics[engine_idx].observe(value)
         if (held := _held(transfer_stats_data)) is not None:
             self._held[engine_idx].set(held)

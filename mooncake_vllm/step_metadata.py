@@ -25,16 +25,6 @@ class LoadSpec:
     error: str | None = None
 
 
-@dataclass(frozen=True)
-class HoldSpec:
-    """A finished producer request whose blocks wait for a consumer (opens a lease)."""
-
-    req_id: str
-    transfer_id: str
-    block_ids: list[int]
-
-
 @dataclass
 class MooncakeConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
-    holds: list[HoldSpec] = field(default_factory=list)

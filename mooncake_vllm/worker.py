@@ -4,12 +4,20 @@ Producer: owns the transfer engine registration of the KV cache, the lease table
 channel server; ended leases are reported as finished-sending, which frees the blocks.
 
 Consumer: each load is one pull job on a small thread pool, off the forward path:
-``Acquire`` (side channel) → plan regions → transfer-engine batch read → ``Release``. The job
-never raises; its outcome is collected by ``get_transfer_results`` on the step thread, so no
-failure is lost. A failed pull is reported in ``failed_recving`` and vLLM's
-``kv_load_failure_policy`` decides. Every pull has a deadline (``load_timeout_s``); reads still in
-flight at the deadline get a bounded grace to settle before the blocks are given back, because the
-transfer engine cannot cancel and a late write must not land in reused blocks.
+``Acquire`` (side channel) → plan regions → transfer-engine read → ``Release``. The job never
+raises; its outcome is collected by ``get_transfer_results`` on the step thread, so no failure is
+lost. A failed pull is reported in ``failed_recving`` and vLLM's ``kv_load_failure_policy``
+decides. When a pull ends the worker wakes the scheduler half (``local_channels``), which lets
+vLLM rest while nothing else is to be done.
+
+Deadline (``load_timeout_s``) and late writes: the transfer engine cannot cancel a read, so the
+destination blocks go back to vLLM only once no write can land in them any more:
+- ``TransferEngine.read`` returns only when every entry it submitted has ended; a stalled entry is
+  ended by the engine itself (its connection dropped after ``stall_timeout_s`` without progress),
+  and no attempt starts unless it can end by the deadline;
+- a pull whose thread is still in the acquire or the engine's first handshake with the producer
+  (which can block in C++) when the deadline passes is *abandoned*: reported failed, and its thread
+  then submits nothing into the blocks (``_PullJob.start_reading`` decides under a lock).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from mooncake_vllm.config import ConnectorConfig
 from mooncake_vllm.engine import TransferEngine
 from mooncake_vllm.leases import LeaseTable
+from mooncake_vllm.local_channels import WakeSender, hold_endpoint, wake_endpoint
 from mooncake_vllm.metadata import P2P_HANDSHAKE
 from mooncake_vllm.metadata_bridge import MetadataBridge
 from mooncake_vllm.planning import plan_regions, tensor_segments
@@ -35,6 +44,7 @@ from mooncake_vllm.protocol import (
     EngineRecord,
     Granted,
     Handoff,
+    Hold,
     MemSegment,
     Refused,
     Release,
@@ -53,6 +63,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0
+# A pull still stuck in the acquire or the first handshake this long after its deadline is
+# abandoned (reported failed without waiting for its thread).
+_ABANDON_AFTER_S = 0.5
+_PULL_THREADS = 8  # pulls mostly sleep (side channel, status polls); a stuck one must not queue
 
 
 class PullFailed(RuntimeError):
@@ -69,8 +83,33 @@ class PullOutcome:
     entries: int = 0
     duration_s: float = 0.0
     acquire_s: float = 0.0  # side-channel round trip, producer wait included
-    read_s: float = 0.0  # transfer-engine batch read
+    read_s: float = 0.0  # transfer-engine read
     refused: bool = False
+    retries: int = 0
+    stalls: int = 0
+
+
+class _PullJob:
+    """One pull's shared state between its thread and the step thread."""
+
+    def __init__(self, req_id: str, deadline: float):
+        self.req_id, self.deadline = req_id, deadline
+        self.future: Future[PullOutcome] | None = None
+        self._lock = threading.Lock()
+        self._reading = self._abandoned = False
+
+    def start_reading(self) -> bool:
+        """Called by the pull thread before its first write into the blocks: False if abandoned."""
+        with self._lock:
+            self._reading = not self._abandoned
+            return self._reading
+
+    def abandon(self) -> bool:
+        """Called by the step thread past the deadline: True if no write into the blocks can
+        happen any more (the read never started), so the blocks may go back to vLLM."""
+        with self._lock:
+            self._abandoned = self._abandoned or not self._reading
+            return self._abandoned
 
 
 def _memory_location(t: torch.Tensor) -> str:
@@ -92,23 +131,29 @@ class WorkerHalf:
         self._server: SideChannelServer | None = None
         self._client: SideChannelClient | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._pulls: dict[str, Future[PullOutcome]] = {}
+        self._pulls: dict[str, _PullJob] = {}
+        self._wake: WakeSender | None = None
         self._stats = MooncakeStats()
         self._stats_lock = threading.Lock()
         self._bridge: MetadataBridge | None = None
         self._compat_hash = engine_compat_hash(vllm_config)
         s = cfg.settings
-        self._late_grace_s = min(s.load_timeout_s, 10.0)
         if cfg.is_producer:
             self._leases = LeaseTable(
                 ttl_s=s.lease_ttl_s,
                 budget_bytes=s.kv_buffer_size,
-                # A pinned lease outlives the consumer's whole pull, grace included.
-                pull_hold_s=s.load_timeout_s + self._late_grace_s + 5.0,
+                # A pinned lease outlives the consumer's whole pull: its last attempt ends by
+                # the deadline plus one stall timeout.
+                pull_hold_s=s.load_timeout_s + s.stall_timeout_s + 5.0,
+                on_end=self._wake_scheduler,
             )
+        self._releases: ThreadPoolExecutor | None = None
         if cfg.is_consumer:
             self._client = SideChannelClient()
-            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-pull")
+            self._pool = ThreadPoolExecutor(_PULL_THREADS, thread_name_prefix="mooncake-pull")
+            # Releases go out beside the pulls: a producer that does not answer must not delay
+            # the outcome vLLM waits for (its lease TTL frees the blocks anyway).
+            self._releases = ThreadPoolExecutor(1, thread_name_prefix="mooncake-release")
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -129,12 +174,16 @@ class WorkerHalf:
             # Bound first: the port doubles as this engine's claim on its name, so a second
             # engine configured with the same address fails here, before it can overwrite our
             # metadata. Acquires only arrive once this engine has handed blocks over.
+            port = cfg.side_channel_port(self._tp_rank)
             self._server = SideChannelServer(
                 cfg.host,
-                cfg.side_channel_port(self._tp_rank),
+                port,
                 self._leases,
                 layout=lambda: (self._engine.segment_name, segments),
+                on_hold=self._hold,
+                hold_endpoint=hold_endpoint(cfg.host, port),
             )
+        self._wake = WakeSender(wake_endpoint(cfg.host, cfg.base_port))
         metadata_arg = P2P_HANDSHAKE
         if cfg.metadata.kind != "p2p":
             self._bridge = MetadataBridge(cfg.metadata, ttl_s=s.metadata_ttl_s)
@@ -177,26 +226,56 @@ class WorkerHalf:
 
     # ---- every step ----------------------------------------------------------------------
 
+    def _hold(self, hold: Hold) -> None:
+        """A lease from the scheduler half (side-channel thread), before any acquire for it."""
+        nbytes = len(hold.block_ids) * self._bytes_per_block
+        self._leases.add(hold.req_id, hold.transfer_id, hold.block_ids, nbytes)
+
+    def _wake_scheduler(self) -> None:
+        if self._wake is not None:
+            self._wake.wake()
+
     def start_load_kv(self, meta: MooncakeConnectorMetadata) -> None:
-        if self._leases is not None:
-            for hold in meta.holds:
-                nbytes = len(hold.block_ids) * self._bytes_per_block
-                self._leases.add(hold.req_id, hold.transfer_id, hold.block_ids, nbytes)
         for load in meta.loads:
-            deadline = time.monotonic() + self._cfg.settings.load_timeout_s
             assert self._pool is not None, "loads are only planned on a consumer"
-            self._pulls[load.req_id] = self._pool.submit(self._pull, load, deadline)
+            job = _PullJob(load.req_id, time.monotonic() + self._cfg.settings.load_timeout_s)
+            job.future = self._pool.submit(self._run_pull, load, job)
+            self._pulls[load.req_id] = job
+            # Wakes the scheduler at the deadline in case the pull thread is stuck in C++.
+            timer = threading.Timer(
+                job.deadline - time.monotonic() + _ABANDON_AFTER_S, self._wake_scheduler
+            )
+            timer.daemon = True
+            timer.start()
+            job.future.add_done_callback(lambda _, t=timer: t.cancel())
+
+    def _run_pull(self, load: LoadSpec, job: _PullJob) -> PullOutcome:
+        try:
+            return self._pull(load, job)
+        finally:
+            self._wake_scheduler()
+
+    def _finished_pulls(self) -> list[PullOutcome]:
+        out = []
+        now = time.monotonic()
+        for req_id, job in list(self._pulls.items()):
+            if job.future.done():
+                out.append(job.future.result())  # _pull never raises
+            elif now > job.deadline + _ABANDON_AFTER_S and job.abandon():
+                reason = "no answer by the deadline (acquire or first handshake still blocked)"
+                out.append(PullOutcome(req_id, ok=False, reason=reason))
+            else:
+                continue
+            del self._pulls[req_id]
+        return out
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
         if self._leases is not None:
             self._leases.expire()
             results.finished_sending = self._leases.take_finished()
-        for req_id, fut in list(self._pulls.items()):
-            if not fut.done():
-                continue
-            del self._pulls[req_id]
-            outcome = fut.result()  # _pull never raises
+        for outcome in self._finished_pulls():
+            req_id = outcome.req_id
             if outcome.reason == "release-only":
                 continue  # vLLM did not wait on this request
             results.finished_recving.add(req_id)
@@ -210,6 +289,8 @@ class WorkerHalf:
                         acquire_s=outcome.acquire_s,
                         read_s=outcome.read_s,
                     )
+                    self._stats.count("retries", outcome.retries)
+                    self._stats.count("stalls", outcome.stalls)
                 else:
                     logger.warning("request %s: KV pull failed: %s", req_id, outcome.reason)
                     results.failed_recving.add(req_id)
@@ -232,8 +313,8 @@ class WorkerHalf:
 
     # ---- the pull ------------------------------------------------------------------------
 
-    def _pull(self, load: LoadSpec, deadline: float) -> PullOutcome:
-        start = time.monotonic()
+    def _pull(self, load: LoadSpec, job: _PullJob) -> PullOutcome:
+        start, deadline = time.monotonic(), job.deadline
         h = load.handoff
         address = None
         if not load.local_block_ids:  # vLLM does not wait on this one: just free the lease
@@ -263,12 +344,22 @@ class WorkerHalf:
             regions = plan_regions(
                 reply.segments, self._segments, load.remote_block_ids, load.local_block_ids
             )
+            # The first contact with a producer does the engine's handshake, which can block:
+            # into a scratch buffer, so an abandoned pull never writes into the blocks.
+            s = self._cfg.settings
+            self._engine.warm_up(
+                reply.te_segment,
+                reply.segments[0].base_addr,
+                deadline=deadline,
+                stall_s=s.stall_timeout_s,
+            )
             read = self._engine.read(
                 reply.te_segment,
                 regions,
-                self._cfg.settings.max_batch_entries,
                 deadline=deadline,
-                settle_deadline=deadline + self._late_grace_s,
+                stall_s=s.stall_timeout_s,
+                max_in_flight=s.max_batch_entries,
+                should_start=job.start_reading,
             )
             succeeded = True
             logger.debug(
@@ -285,12 +376,14 @@ class WorkerHalf:
                 duration_s=time.monotonic() - start,
                 acquire_s=acquired_at - start,
                 read_s=read.duration_s,
+                retries=read.retries,
+                stalls=read.stalls,
             )
         except Exception as e:
             return PullOutcome(load.req_id, ok=False, reason=f"{type(e).__name__}: {e}")
         finally:
             if acquired and h is not None and address is not None:
-                self._release(address, h.transfer_id, ok=succeeded)
+                self._releases.submit(self._release, address, h.transfer_id, succeeded)
 
     def _producer_address(self, h: Handoff) -> str:
         """The side channel of the producer rank this worker pulls from: named in the handoff,
@@ -323,10 +416,15 @@ class WorkerHalf:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._releases is not None:
+            self._releases.shutdown(wait=True)
         if self._server is not None:
             self._server.close()
         if self._client is not None:
             self._client.close()
+        if self._wake is not None:
+            self._wake.close()
+            self._wake = None
         if self._engine is not None:
             self._engine.close()
         if self._bridge is not None:

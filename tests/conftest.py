@@ -131,9 +131,23 @@ class Cluster:
         self.dump_logs = False
 
 
+def _pull_failures(c: Cluster) -> dict[str, float]:
+    consumers = (c.decode, c.both)
+    return {s.process.name: s.metric("mooncake_vllm:pull_failures_total") for s in consumers}
+
+
 @pytest.fixture
 def pd(cluster, request):
-    """The shared cluster; its logs are printed at session end if a test using it failed."""
+    """The shared cluster; its logs are printed at session end if a test using it failed.
+
+    A pull that fails is recomputed by the cluster's decode, which token equality cannot see: a
+    test that is not marked ``provokes_pull_failure`` fails if any consumer's pull failed."""
+    before = _pull_failures(cluster)
     yield cluster
     if _failed(request):
         cluster.dump_logs = True
+    elif not request.node.get_closest_marker("provokes_pull_failure"):
+        after = _pull_failures(cluster)
+        if after != before:
+            cluster.dump_logs = True
+            pytest.fail(f"pulls failed during this test (before {before}, after {after})")

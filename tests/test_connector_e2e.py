@@ -163,6 +163,7 @@ async def test_request_without_params_is_computed_locally_on_decode(pd, http):
         pytest.param(lambda p: {"do_remote_prefill": True, "transfer_id": 5}, id="garbage"),
     ],
 )
+@pytest.mark.provokes_pull_failure
 async def test_bad_handoff_recomputes_within_the_deadline(pd, http, mangle):
     prompt = prompts(seed=17, lengths=[400])[0]
     ref = await complete(http, pd.plain, body(pd.model, prompt))
@@ -179,6 +180,7 @@ async def test_bad_handoff_recomputes_within_the_deadline(pd, http, mangle):
     await eventually(lambda: nothing_held(pd.prefill), timeout_s=pd.lease_ttl_s + 10)
 
 
+@pytest.mark.provokes_pull_failure
 async def test_unpulled_lease_expires_and_a_late_pull_is_refused(pd, http):
     prompt = prompts(seed=19, lengths=[333])[0]
     ref = await complete(http, pd.plain, body(pd.model, prompt))
@@ -197,6 +199,7 @@ async def test_unpulled_lease_expires_and_a_late_pull_is_refused(pd, http):
     await eventually(lambda: pd.decode.metric("mooncake_vllm:refused_total") == refused0 + 1)
 
 
+@pytest.mark.provokes_pull_failure
 async def test_aborted_requests_free_their_blocks_on_both_sides(pd, http):
     prompt = prompts(seed=23, lengths=[1500])[0]
     # Prefill aborted by the client while computing: nothing is held.
@@ -242,6 +245,7 @@ async def test_kv_both_instance_consumes_and_produces(pd, both, http):
     await eventually(lambda: nothing_held(both))
 
 
+@pytest.mark.provokes_pull_failure
 async def test_fail_policy_gives_a_clear_error_within_the_deadline(pd, both, http):
     prompt = prompts(seed=31, lengths=[300])[0]
     bogus = {

@@ -14,7 +14,7 @@ import pytest
 from mooncake_vllm.config import CONFIG_PATH_ENV, ConfigError, load_settings, resolve
 from mooncake_vllm.leases import LeaseState, LeaseTable
 from mooncake_vllm.metadata import MetadataTarget
-from mooncake_vllm.planning import PlanError, Region, chunk, plan_regions, tensor_segments
+from mooncake_vllm.planning import PlanError, Region, plan_regions, tensor_segments
 from mooncake_vllm.protocol import (
     PROTOCOL_VERSION,
     Acquire,
@@ -475,23 +475,6 @@ def test_region_bytes_equal_the_sum_of_block_bytes(src_ids, dst_ids):
 def test_mismatched_plans_are_refused(src, dst, src_ids, dst_ids, match):
     with pytest.raises(PlanError, match=match):
         plan_regions(src, dst, src_ids, dst_ids)
-
-
-@pytest.mark.parametrize(
-    ("n", "max_entries", "sizes"),
-    [(0, 3, []), (1, 3, [1]), (3, 3, [3]), (7, 3, [3, 3, 1]), (6, 2, [2, 2, 2]), (5, 1, [1] * 5)],
-)
-def test_chunking_respects_max_entries(n, max_entries, sizes):
-    regions = [Region(i, i, 1) for i in range(n)]
-    batches = chunk(regions, max_entries)
-    assert [len(b) for b in batches] == sizes
-    assert [r for b in batches for r in b] == regions  # order and content kept
-
-
-@pytest.mark.parametrize("max_entries", [0, -1])
-def test_chunking_needs_a_positive_size(max_entries):
-    with pytest.raises(PlanError):
-        chunk([Region(0, 0, 1)], max_entries)
 
 
 # ---- protocol: the handoff ------------------------------------------------------------------

@@ -99,6 +99,28 @@ class ManagedProcess:
             f"log {self.log_path}:\n{self.log_tail()}"
         )
 
+    def group_pids(self) -> list[int]:
+        """The live processes of this process group (vLLM: API server, engine core, workers)."""
+        if self.proc is None:
+            return []
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == self.proc.pid:  # field 5, pgrp
+                    pids.append(int(stat.parent.name))
+        return pids
+
+    def cpu_s(self) -> float:
+        """CPU time (user + system) used so far by the live processes of the group."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for pid in self.group_pids():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
+        return total / ticks
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after ``grace_s``."""
         with _running_lock:
@@ -182,8 +204,30 @@ class VllmServer:
                 total += float(value)
         return total
 
+    def histogram(self, name: str) -> dict[float, float]:
+        """A Prometheus histogram's cumulative buckets, ``{le: count}``, summed over labels."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        buckets: dict[float, float] = {}
+        for family in text_string_to_metric_families(http_text(f"{self.url}/metrics")):
+            for sample in family.samples:
+                if sample.name == f"{name}_bucket":
+                    le = float(sample.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + sample.value
+        return buckets
+
     def stop(self) -> None:
         self.process.stop()
+
+
+def histogram_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Upper bound of the bucket holding quantile ``q`` of the observations made between two
+    ``VllmServer.histogram`` readings (nan if none)."""
+    delta = sorted((le, after.get(le, 0.0) - before.get(le, 0.0)) for le in after)
+    total = delta[-1][1] if delta else 0.0
+    if total <= 0:
+        return float("nan")
+    return next(le for le, n in delta if n >= q * total)
 
 
 def default_log_dir() -> Path:

@@ -1,0 +1,252 @@
+"""The setup a new user tries first, under load: both engines on one address (127.0.0.1, ports far
+apart), P2P handshake over TCP, vLLM's default ``kv_load_failure_policy`` (``fail``: a failed pull
+is an error for the client), a plain vLLM with default flags beside the pair (its worker busy-waits
+after every request), a model of another shape than the suite's (3 layers, 3 KV heads × 32), and
+requests through ``python proxy/proxy_server.py`` at concurrency 8, streamed and not.
+
+A handover is proven by token equality with the plain server *and* by the decode's counters: the
+prompt tokens arrived by external transfer, and no pull failed (a recompute would hide one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mooncake_vllm.testing import servers
+from mooncake_vllm.testing.pd import ServerSpec, client_session, complete, kv_args, start_many
+from mooncake_vllm.testing.tiny_model import TinyModelSpec, build_tiny_model
+
+pytestmark = pytest.mark.servers
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+# Not the suite's Llama: 3 layers, 6 query heads over 3 KV heads of 32 (GQA).
+MODEL_SPEC = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=32,
+                           intermediate=384, seed=4321)  # fmt: skip
+LOAD_TIMEOUT_S = 8.0
+FREEZE_PREFIX = "test-freeze-after-grant/"
+CONCURRENCY, MAX_TOKENS = 8, 8
+
+
+class NewUser:
+    def __init__(self, model, plain, prefill, decode, proxy_url):
+        self.model, self.plain, self.prefill, self.decode = model, plain, prefill, decode
+        self.proxy = proxy_url
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = str(build_tiny_model(spec=MODEL_SPEC))
+    cfg = tmp_path_factory.mktemp("new-user") / "mooncake.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "prefill_url": f"{HOST}:14100",
+                "decode_url": f"{HOST}:14200",
+                "metadata_server": "P2PHANDSHAKE",
+                "protocol": "tcp",
+                "device_name": "",
+                "load_timeout_s": LOAD_TIMEOUT_S,
+            }
+        )
+    )
+    env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
+    specs = [
+        ServerSpec("plain-default", HOST),
+        ServerSpec(
+            "prefill-1host",
+            HOST,
+            kv_args("kv_producer"),
+            {**env, "MOONCAKE_VLLM_TEST_FREEZE_AFTER_GRANT": FREEZE_PREFIX},
+        ),
+        ServerSpec("decode-1host", HOST, kv_args("kv_consumer"), env),
+    ]
+    plain, prefill, decode = start_many(model, specs)
+    port = servers.free_port()
+    proxy = servers.ManagedProcess(
+        "proxy-1host",
+        [sys.executable, str(REPO / "proxy" / "proxy_server.py"),
+         "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)],
+        servers.default_log_dir() / f"proxy-1host-{port}.log",
+    ).start()  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    started = [plain, prefill, decode]
+    try:
+        proxy.wait_until(lambda: servers.http_text(f"{url}/health") != "", 60, "healthy")
+        yield NewUser(model, plain, prefill, decode, url)
+    finally:
+        proxy.stop()
+        for srv in reversed(started):
+            srv.stop()
+
+
+@pytest.fixture
+def show_logs(setup, request):
+    yield
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        for srv in (setup.prefill, setup.decode):
+            print(f"\n===== log of {srv.process.name} =====\n{srv.process.log_tail(40_000)}")
+
+
+def nothing_held(srv) -> bool:
+    return srv.metric("mooncake_vllm:held_leases") == 0 and srv.metric(
+        "vllm:kv_cache_usage_perc"
+    ) == pytest.approx(0.0, abs=1e-9)
+
+
+async def eventually(check, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.25)
+
+
+async def test_concurrent_requests_through_the_proxy_all_arrive_by_transfer(setup, show_logs):
+    rng = random.Random(2026)
+    # Mixed: half short (1-199 tokens), half long (200-1499).
+    lengths = [rng.randrange(1, 200) if i % 2 else rng.randrange(200, 1500) for i in range(200)]
+    ext0 = setup.decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    failures: list[str] = []
+    mismatches: list[int] = []
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(i: int, n: int, http) -> None:
+        prompt = [rng.randrange(3, 2048) for _ in range(n)]
+        body = {"model": setup.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        async with gate:
+            try:
+                # The plain server works beside the pair, as in the report.
+                ref, got = await asyncio.gather(
+                    complete(http, setup.plain, body),
+                    complete(http, setup.proxy, {**body, "stream": i % 2 == 1}),
+                )
+            except Exception as e:  # every failure is reported below, with its message
+                failures.append(f"request {i} ({n} tokens): {e}")
+                return
+        if got.token_ids != ref.token_ids:
+            mismatches.append(n)
+
+    async with client_session() as http:
+        await asyncio.gather(*(one(i, n, http) for i, n in enumerate(lengths)))
+    assert not failures, f"{len(failures)} of {len(lengths)} failed: {failures[:5]}"
+    assert not mismatches, f"decode differs from plain for prompts of {mismatches} tokens"
+    d = setup.decode
+    assert d.metric("mooncake_vllm:pull_failures_total") == 0
+    await eventually(lambda: d.metric("mooncake_vllm:pulls_total") == len(lengths))
+    ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
+    share = ext / sum(lengths)
+    retries = d.metric("mooncake_vllm:retries_total")
+    print(f"external_kv_transfer share {share:.3f}; retries {retries}")
+    assert share >= 0.95
+    await eventually(lambda: nothing_held(setup.prefill))
+    await eventually(lambda: nothing_held(setup.decode))
+
+
+async def test_idle_pair_with_a_held_lease_and_a_waiting_pull_costs_almost_no_cpu(setup, show_logs):
+    """A prefill that holds a lease and a decode whose pull waits for an acquire nobody answers
+    (a side channel that never replies) use < 5 % of a core each once vLLM's own post-request
+    busy-wait (1 s) is over."""
+    import zmq
+
+    mute_port = servers.free_port(HOST)
+    mute = zmq.Context.instance().socket(zmq.ROUTER)
+    mute.bind(f"tcp://{HOST}:{mute_port}")  # takes acquires, never answers
+    try:
+        async with client_session() as http:
+            prompt = list(range(3, 603))
+            body = {"model": setup.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            params = {"do_remote_decode": True, "transfer_id": str(uuid.uuid4())}
+            head = await complete(
+                http, setup.prefill, {**body, "max_tokens": 1, "kv_transfer_params": params}
+            )
+            assert setup.prefill.metric("mooncake_vllm:held_leases") == 1
+            mangled = {**head.kv_transfer_params, "side_channel_ports": [mute_port]}
+            failures0 = setup.decode.metric("mooncake_vllm:pull_failures_total")
+            waiting = asyncio.ensure_future(
+                http.post(
+                    f"{setup.decode.url}/v1/completions",
+                    json={**body, "kv_transfer_params": mangled},
+                )
+            )
+            await asyncio.sleep(1.5)  # vLLM's busy-wait after the last step ends
+            t0 = time.monotonic()
+            p0, d0 = setup.prefill.process.cpu_s(), setup.decode.process.cpu_s()
+            await asyncio.sleep(4.0)
+            wall = time.monotonic() - t0
+            prefill_share = (setup.prefill.process.cpu_s() - p0) / wall
+            decode_share = (setup.decode.process.cpu_s() - d0) / wall
+            assert not waiting.done(), "the decode's pull should still be waiting"
+            print(f"idle CPU: prefill {prefill_share:.3f} core, decode {decode_share:.3f} core")
+            resp = await waiting
+            assert resp.status >= 400  # vLLM's default policy: the failed pull is an error
+            await resp.release()
+        assert prefill_share < 0.05, f"prefill used {prefill_share:.1%} of a core holding a lease"
+        assert decode_share < 0.05, f"decode used {decode_share:.1%} of a core waiting"
+        assert setup.decode.metric("mooncake_vllm:pull_failures_total") == failures0 + 1
+    finally:
+        mute.close()
+    # The lease the decode never pulled expires or is released; nothing stays held.
+    await eventually(lambda: nothing_held(setup.prefill), timeout_s=60)
+
+
+async def test_a_producer_frozen_after_granting_ends_the_pull_by_the_deadline(setup, show_logs):
+    """The producer's worker stops (SIGSTOP) right after it granted the acquire: the decode's pull
+    stalls, and the request still ends (an error: default policy) within load_timeout_s + 1 s.
+
+    The hook freezes the producer 1 ms after the grant; if the read was faster than that (the
+    request then succeeds), the scenario is tried again."""
+    prompt = list(range(5, 1905))
+    body = {"model": setup.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    for _attempt in range(3):
+        failures0 = setup.decode.metric("mooncake_vllm:pull_failures_total")
+        async with client_session() as http:
+            params = {"do_remote_decode": True, "transfer_id": f"{FREEZE_PREFIX}{uuid.uuid4()}"}
+            head = await complete(
+                http, setup.prefill, {**body, "max_tokens": 1, "kv_transfer_params": params}
+            )
+            t0 = time.monotonic()
+            async with http.post(
+                f"{setup.decode.url}/v1/completions",
+                json={**body, "kv_transfer_params": head.kv_transfer_params},
+            ) as resp:
+                text = await resp.text()
+            elapsed = time.monotonic() - t0
+        await asyncio.sleep(0.5)
+        frozen = [pid for pid in setup.prefill.process.group_pids() if _state(pid) == "T"]
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        assert frozen, "the hook should have frozen the prefill's worker"
+        if resp.status == 200:
+            continue  # the read beat the freeze
+        assert resp.status >= 400, text
+        assert elapsed < LOAD_TIMEOUT_S + 1.0, f"the request took {elapsed:.1f}s"
+        await eventually(
+            lambda f0=failures0: setup.decode.metric("mooncake_vllm:pull_failures_total") == f0 + 1
+        )
+        break
+    else:
+        pytest.fail("the read finished before the producer froze, three times")
+    # The thawed producer serves again, and its lease ends; the decode holds nothing.
+    await eventually(lambda: nothing_held(setup.prefill), timeout_s=60)
+    await eventually(lambda: nothing_held(setup.decode))
+    async with client_session() as http:
+        ref = await complete(http, setup.plain, {**body, "prompt": prompt[:300]})
+        got = await complete(http, setup.proxy, {**body, "prompt": prompt[:300]})
+    assert got.token_ids == ref.token_ids
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
