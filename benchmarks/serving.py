@@ -221,6 +221,25 @@ async def run_batch(url: str, model: str, prompts: list[list[int]], concurrency:
         return results, time.perf_counter() - t0
 
 
+def idle_pulls(stack: Stack, tokens: int, n: int, seed: int) -> list[float]:
+    """Our read time (ms, decode's own histogram) of ``n`` single requests through an otherwise idle
+    pair, each after a pause that lets vLLM's post-step busy-wait end."""
+    d = stack.vllm["ours-decode"]
+    out = []
+    for prompt in make_prompts(tokens, n, seed + 7):
+        time.sleep(2.5)
+        s0 = d.metric("mooncake_vllm:read_duration_seconds_sum")
+        c0 = d.metric("mooncake_vllm:read_duration_seconds_count")
+        asyncio.run(run_batch(stack.urls["ours"], stack.model, [prompt], 1))
+        deadline = time.monotonic() + 10
+        while d.metric("mooncake_vllm:read_duration_seconds_count") == c0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("decode reported no pull for an idle-pair request")
+            time.sleep(0.25)
+        out.append(1000 * (d.metric("mooncake_vllm:read_duration_seconds_sum") - s0))
+    return out
+
+
 # ---- the connectors' own counters ---------------------------------------------------------------
 
 _BUILTIN_LINE = re.compile(
@@ -469,8 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         print(f"servers up after {time.monotonic() - t0:.0f} s", flush=True)
         samples, cells = sweep(stack, lengths, args.concurrency, requests, rounds, args.seed)
+        idle_ms = idle_pulls(stack, max(lengths), 5, args.seed)
     finally:
         stack.stop()
+    print(f"idle pair: {max(lengths)}-token pulls read in {[round(x, 1) for x in idle_ms]} ms")
     settings = {
         "mode": "full" if args.full else "quick",
         "lengths": lengths,
@@ -479,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "seed": args.seed,
         "log_dir": str(log_dir),
+        "idle_pair_read_ms": idle_ms,
     }
     record(args.out_dir, stack, settings, samples, cells)
     return 0

@@ -134,7 +134,7 @@ class Bench:
         return tensor_segments(addr, shape, strides, 1, self.num_blocks)
 
     def ours(self, src_ids: list[int], dst_ids: list[int]) -> dict:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         src = [seg for layer in self.remote for seg in layer]
         dst = [seg for layer in self.local for seg in layer]
         regions = plan_regions(src, dst, src_ids, dst_ids)
@@ -145,7 +145,9 @@ class Bench:
             stall_s=STALL_TIMEOUT_S,
             max_in_flight=MAX_BATCH_ENTRIES,
         )
-        return {"s": time.perf_counter() - t0, "bytes": result.bytes, "entries": result.entries}
+        elapsed = time.perf_counter() - t0
+        return {"s": elapsed, "bytes": result.bytes, "entries": result.entries,
+                "thread_cpu_s": time.thread_time() - c0}  # fmt: skip
 
     def raw_te(self, nbytes_per_layer: int, chunk_bytes: int) -> dict:
         dsts, srcs, lens = [], [], []
@@ -157,12 +159,13 @@ class Bench:
                 lens.append(n)
         # The bare engine object, on purpose: this is the baseline the wrapper is measured against.
         te = self.engine._te
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         rc = te.batch_transfer_sync_read(self.peer.segment, dsts, srcs, lens)
         elapsed = time.perf_counter() - t0
         if rc != 0:
             raise RuntimeError(f"batch_transfer_sync_read returned {rc}")
-        return {"s": elapsed, "bytes": sum(lens), "entries": len(lens)}
+        return {"s": elapsed, "bytes": sum(lens), "entries": len(lens),
+                "thread_cpu_s": time.thread_time() - c0}  # fmt: skip
 
     def socket(self, nbytes: int) -> dict:
         view = memoryview(self.sock_buf)
@@ -204,7 +207,8 @@ def run(shapes, prompts, layouts, reps: int, chunk_bytes: int, log_dir: Path, se
     rng = random.Random(seed)
     engine = TransferEngine(
         CONSUMER_HOST, "P2PHANDSHAKE", "tcp", "",
-        env={"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": CONSUMER_HOST},
+        env={"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": CONSUMER_HOST,
+             "MC_TCP_PROGRESS_TIMEOUT_SEC": str(STALL_TIMEOUT_S)},
     )  # fmt: skip
     cases = [(s, p, lay) for s in shapes for p in prompts[s.name] for lay in layouts]
     bar = tqdm(total=len(cases) * reps, desc="transfer samples", file=sys.stderr)
@@ -266,6 +270,11 @@ def summarize(samples: list[dict]) -> list[dict]:
         nbytes = next(s["bytes"] for s in case if s["method"] == "ours")
         gbps = {m: nbytes / med[m] / 1e9 for m in METHODS}
         entries = next(s["entries"] for s in case if s["method"] == "ours")
+        # CPU of the calling thread per second of pull: ~1.0 is a spin, ours sleeps between polls.
+        busy = {
+            m: common.median([s["thread_cpu_s"] / s["s"] for s in case if s["method"] == m])
+            for m in ("ours", "raw_te")
+        }
         rows.append(
             {
                 "shape": shape, "tokens": tokens, "layout": layout, "MB": nbytes / 1e6,
@@ -274,6 +283,7 @@ def summarize(samples: list[dict]) -> list[dict]:
                 "ours/raw": gbps["ours"] / gbps["raw_te"],
                 "ours/socket": gbps["ours"] / gbps["socket"],
                 "ours/memcpy": gbps["ours"] / gbps["memcpy"],
+                "ours_cpu": busy["ours"], "raw_cpu": busy["raw_te"],
             }
         )  # fmt: skip
     return rows

@@ -10,6 +10,7 @@ bad config stops vLLM at startup.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from mooncake_vllm.config import load_settings, resolve
+from mooncake_vllm.lease_service import RankLayout
 from mooncake_vllm.plugin import use_vllm_logging
+from mooncake_vllm.protocol import MemSegment
 from mooncake_vllm.scheduler import SchedulerHalf
 from mooncake_vllm.stats import MooncakePromMetrics, MooncakeStats
 from mooncake_vllm.step_metadata import MooncakeConnectorMetadata
@@ -39,9 +42,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MooncakeHandshake(KVConnectorHandshakeMetadata):
-    """Worker → scheduler at startup: the rank's transfer-engine segment name."""
+    """Worker → scheduler at startup: the rank's transfer-engine segment name and KV layout,
+    which the producer's side channel (in the scheduler's process) hands to consumers."""
 
     te_segment: str
+    segments: list[MemSegment]
+    worker_pid: int
 
 
 class MooncakeConnector(KVConnectorBase_V1):
@@ -102,8 +108,9 @@ class MooncakeConnector(KVConnectorBase_V1):
         return self._worker.get_stats() if self._worker is not None else None
 
     def get_handshake_metadata(self) -> MooncakeHandshake | None:
-        segment = self._worker.te_segment if self._worker is not None else None
-        return MooncakeHandshake(segment) if segment else None
+        if self._worker is None or self._worker.te_segment is None:
+            return None
+        return MooncakeHandshake(self._worker.te_segment, self._worker.segments, os.getpid())
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -132,11 +139,13 @@ class MooncakeConnector(KVConnectorBase_V1):
         return self._scheduler.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        segments = {
-            rank: m.te_segment for rank, m in metadata.items() if isinstance(m, MooncakeHandshake)
+        layouts = {
+            rank: RankLayout(m.te_segment, list(m.segments), m.worker_pid)
+            for rank, m in metadata.items()
+            if isinstance(m, MooncakeHandshake)
         }
-        if self._scheduler is not None and segments:
-            self._scheduler.set_te_segments(segments)
+        if self._scheduler is not None:
+            self._scheduler.set_layouts(layouts)
 
     # ---- stats (class-level hooks vLLM calls in its logging process) ---------------------
 

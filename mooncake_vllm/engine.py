@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mooncake_vllm.planning import Region
 
@@ -32,6 +33,7 @@ _CHECK_DONE, _CHECK_PENDING, _CHECK_TIMED_OUT = 1, 0, -2
 # (at most a 20th of it, capped) so a long read costs a few dozen status calls per second.
 _MIN_POLL_S, _MAX_POLL_S = 0.0001, 0.005
 _SCRATCH_BYTES = 64
+_CONNECT_MARGIN_S = 1.0
 
 
 class EngineInitError(RuntimeError):
@@ -81,9 +83,19 @@ class TransferEngine:
                 f"{device_name!r}) returned {rc}; check the metadata server is reachable and the "
                 "address is local"
             )
+        self._adopt(te, hostname, p2p=metadata_server == "P2PHANDSHAKE")
+
+    @classmethod
+    def wrapping(cls, te: Any, hostname: str = "test:1", p2p: bool = True) -> TransferEngine:
+        """Wrap an engine-like object already initialized (tests pass a fake one)."""
+        engine = cls.__new__(cls)
+        engine._adopt(te, hostname, p2p)
+        return engine
+
+    def _adopt(self, te: Any, hostname: str, p2p: bool) -> None:
         self._te = te
         self._hostname = hostname
-        self._p2p = metadata_server == "P2PHANDSHAKE"
+        self._p2p = p2p
         self._registered: list[int] = []
         self._lock = threading.Lock()
         self._warm: set[str] = set()  # peers this engine has read from (handshake done)
@@ -138,10 +150,12 @@ class TransferEngine:
         if not should_start():
             raise TransferError("pull abandoned before its read started", peer=peer, entries=0)
         while todo or in_flight:
-            now = time.monotonic()
             while todo and len(in_flight) < max_in_flight and failure is None:
                 region, tries = todo[0]
-                if now >= deadline or (tries and now + stall_s > deadline):
+                # A submit can itself block (it connects on this thread: ~1 s to a peer that
+                # does not accept), so a retry needs a stall timeout and that second to spare.
+                now = time.monotonic()
+                if now >= deadline or (tries and now + stall_s + _CONNECT_MARGIN_S > deadline):
                     failure = TransferTimeout(
                         f"{len(todo)} regions unread by the deadline", peer=peer, entries=len(todo)
                     )
@@ -154,7 +168,7 @@ class TransferEngine:
                     todo.append((region, tries + 1))
                     retries += 1
                     break  # back off one poll interval before submitting again
-                in_flight[bid] = (region, tries, now)
+                in_flight[bid] = (region, tries, time.monotonic())
             for bid, (region, tries, t0) in list(in_flight.items()):
                 status = self._te.transfer_check_status(bid)
                 if status in (_CHECK_PENDING, _CHECK_TIMED_OUT):
@@ -190,7 +204,7 @@ class TransferEngine:
             self.register(ctypes.addressof(self._scratch), _SCRATCH_BYTES)
         dst = ctypes.addressof(self._scratch)
         status = None
-        while status is None or time.monotonic() + stall_s <= deadline:
+        while status is None or time.monotonic() + stall_s + _CONNECT_MARGIN_S <= deadline:
             bid = self._te.batch_transfer_async_read(peer, [dst], [src_addr], [_SCRATCH_BYTES])
             status = -1
             if bid == 0:  # refused at submit (handshake failed): back off before the next try

@@ -74,7 +74,7 @@ class LeaseTable:
             self._enforce_budget()
 
     def acquire(self, transfer_id: str, block_ids: list[int]) -> Lease | str | None:
-        """The lease, now PULLING; or a refusal reason; or None if the id is not known yet."""
+        """The lease, now PULLING; or a refusal reason; or None if the id is unknown."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
@@ -111,6 +111,12 @@ class LeaseTable:
         """When the earliest live lease expires (None if none is live)."""
         with self._lock:
             return min((x.deadline_s for x in self._live.values()), default=None)
+
+    def take_ended_counts(self) -> dict[str, int]:
+        """Leases ended since the last call, by reason."""
+        with self._lock:
+            out, self.ended_counts = self.ended_counts, {}
+            return out
 
     def take_finished(self) -> set[str]:
         with self._lock:

@@ -1,19 +1,15 @@
-"""Two same-host channels between the halves of one engine, besides vLLM's per-step metadata.
+"""Same-host channels between the halves of one engine, besides vLLM's per-step metadata.
 
-Both exist so that nothing waits for an engine step, and so that vLLM need not step when there is
-nothing to compute (every step wakes vLLM's workers, whose readers then busy-wait for a second).
-
-- **holds**, scheduler → producer worker: ``request_finished`` sends the blocks to hold straight to
-  every worker rank's side-channel thread, before the handoff leaves the engine-core process. A
-  consumer's ``Acquire`` therefore finds the lease at once instead of after the producer's next
-  step (which could be seconds away under load).
 - **wake-ups**, workers → scheduler: a worker says when something the scheduler must see has
-  happened (a pull ended, a lease ended, a pull's deadline passed). While it has nothing to
-  schedule, the scheduler half waits for that (or for a new request) instead of letting vLLM
-  step every millisecond.
+  happened (a pull ended, a pull's deadline passed). While no request can run, the scheduler half
+  waits for that (or for a new request) instead of letting vLLM step every millisecond: every step
+  wakes vLLM's workers, whose message-queue readers then busy-wait for a second.
+- **claim**: a producer worker holds its address (an abstract socket named after it) for its
+  lifetime, so a second engine configured with the same address fails before its transfer engine
+  can publish metadata over ours.
 
-ZeroMQ over abstract-namespace ipc sockets, named after the engine's own (bound, hence unique)
-address, so they need no cleanup and cannot be reached from another host.
+ZeroMQ over abstract-namespace ipc sockets, named after the engine's own address, so they need no
+cleanup and cannot be reached from another host.
 """
 
 from __future__ import annotations
@@ -25,42 +21,24 @@ from collections.abc import Callable
 
 import zmq
 
-from mooncake_vllm.protocol import Hold, encode_frame
-
 logger = logging.getLogger(__name__)
-
-
-def hold_endpoint(host: str, side_channel_port: int) -> str:
-    return f"ipc://@mooncake-vllm/{host}:{side_channel_port}/holds"
 
 
 def wake_endpoint(host: str, base_port: int) -> str:
     return f"ipc://@mooncake-vllm/{host}:{base_port}/wake"
 
 
-class HoldSender:
-    """Scheduler side: one PUSH socket per worker rank (PUSH to several peers would round-robin)."""
-
-    def __init__(self, endpoints: list[str]):
-        self._ctx = zmq.Context.instance()
-        self._socks = []
-        for endpoint in endpoints:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)  # queued until the worker binds (it does before serving)
-            self._socks.append(sock)
-
-    def send(self, hold: Hold) -> None:
-        payload = encode_frame(hold)
-        for sock in self._socks:
-            try:
-                sock.send(payload, zmq.NOBLOCK)
-            except zmq.Again:  # the worker is gone or 1000 holds behind: the lease TTL covers it
-                logger.warning("hold of %s not delivered: worker not reading", hold.transfer_id)
-
-    def close(self) -> None:
-        for sock in self._socks:
-            sock.close()
+def claim(host: str, port: int) -> zmq.Socket:
+    """Bind the claim socket for ``host:port`` (close it to give the address up); raises
+    ``zmq.ZMQError`` if another engine on this host holds it."""
+    sock = zmq.Context.instance().socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(f"ipc://@mooncake-vllm/{host}:{port}/claim")
+    except zmq.ZMQError:
+        sock.close()
+        raise
+    return sock
 
 
 class WakeSender:

@@ -166,16 +166,7 @@ class Released(msgspec.Struct, tag=_tag("released"), frozen=True):
     transfer_id: str
 
 
-class Hold(msgspec.Struct, tag=_tag("hold"), frozen=True):
-    """Producer scheduler → its own workers (local ipc only, see ``local_channels``): hold these
-    blocks for a consumer. Never accepted from the network side channel."""
-
-    req_id: str
-    transfer_id: str
-    block_ids: list[int]
-
-
-Frame = Acquire | Granted | Refused | Release | Released | Hold
+Frame = Acquire | Granted | Refused | Release | Released
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
 

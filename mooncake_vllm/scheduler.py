@@ -24,11 +24,11 @@ import zmq
 from vllm.v1.request import RequestStatus
 
 from mooncake_vllm.config import ConnectorConfig
-from mooncake_vllm.local_channels import HoldSender, WakeForwarder, hold_endpoint, wake_endpoint
+from mooncake_vllm.lease_service import LeaseService, RankLayout
+from mooncake_vllm.local_channels import WakeForwarder, wake_endpoint
 from mooncake_vllm.protocol import (
     Handoff,
     HandoffError,
-    Hold,
     compat_hash,
     parse_handoff,
     validate_handoff,
@@ -76,12 +76,11 @@ class SchedulerHalf:
         self._compat_hash = engine_compat_hash(vllm_config)
         self._te_segments: list[str] = []
         self._loads: dict[str, LoadSpec] = {}
-        self._hold_sender: HoldSender | None = None
-        if cfg.is_producer:
-            self._hold_sender = HoldSender(
-                [hold_endpoint(cfg.host, cfg.side_channel_port(r)) for r in range(cfg.tp_size)]
-            )
         self._engine_core = _find_engine_core()
+        # Producer: leases and side channels live here, see lease_service.
+        self._leases: LeaseService | None = None
+        if cfg.is_producer:
+            self._leases = LeaseService(cfg, on_end=self._wake_engine_core)
         self._waker: WakeForwarder | None = None
         if self._engine_core is not None:
             try:
@@ -178,9 +177,8 @@ class SchedulerHalf:
         if not isinstance(transfer_id, str) or not transfer_id:
             transfer_id = f"{self._cfg.engine_id}/{request.request_id}"
         prompt_block_ids = list(block_ids[:num_blocks])
-        # Straight to the workers, before the handoff leaves this process: an acquire never
-        # waits for the next step (see local_channels).
-        self._hold_sender.send(Hold(request.request_id, transfer_id, prompt_block_ids))
+        # Held before the handoff leaves this process: an acquire never waits for a step.
+        self._leases.hold(request.request_id, transfer_id, prompt_block_ids)
         handoff = Handoff(
             transfer_id=transfer_id,
             producer_engine_id=self._cfg.engine_id,
@@ -194,15 +192,22 @@ class SchedulerHalf:
         )
         return True, handoff.to_params()
 
-    def set_te_segments(self, segments_by_rank: dict[int, str]) -> None:
-        self._te_segments = [segments_by_rank[r] for r in sorted(segments_by_rank)]
+    def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
+        """Every worker rank's transfer-engine segment and KV layout (vLLM's handshake)."""
+        self._te_segments = [layouts[r].te_segment for r in sorted(layouts)]
+        if self._leases is not None:
+            self._leases.set_layouts(layouts)
 
     # ---- every step ----------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:
         meta = MooncakeConnectorMetadata(loads=list(self._loads.values()))
         self._loads = {}
-        if meta.loads or scheduler_output.total_num_scheduled_tokens:
+        if self._leases is not None:
+            meta.finished_sending = self._leases.take_finished()
+            meta.ended_leases = self._leases.take_ended_counts()
+            meta.held_leases = self._leases.held_count
+        if meta.loads or meta.finished_sending or scheduler_output.total_num_scheduled_tokens:
             return meta
         if self._waker is None:
             # vLLM steps back to back while a finished request's blocks are held or a request
@@ -234,13 +239,15 @@ class SchedulerHalf:
             inputs.not_empty.wait_for(lambda: inputs._qsize() > 0, timeout=MAX_REST_S)
 
     def _wake_engine_core(self) -> None:
+        """Thread-safe: a no-op request that ends ``_rest`` (nothing without an engine core)."""
         from vllm.v1.engine import EngineCoreRequestType
 
-        self._engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        if self._engine_core is not None:
+            self._engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
     def shutdown(self) -> None:
-        if self._hold_sender is not None:
-            self._hold_sender.close()
+        if self._leases is not None:
+            self._leases.close()
         if self._waker is not None:
             self._waker.close()
 

@@ -1,7 +1,8 @@
 """The worker half: runs in every vLLM worker process and moves the bytes.
 
-Producer: owns the transfer engine registration of the KV cache, the lease table and the side
-channel server; ended leases are reported as finished-sending, which frees the blocks.
+Producer: registers the KV cache with the transfer engine and hands its layout to the scheduler
+half (vLLM's handshake metadata), whose side channel serves the leases (``lease_service``); reports
+the requests whose leases ended as finished-sending, which frees the blocks.
 
 Consumer: each load is one pull job on a small thread pool, off the forward path:
 ``Acquire`` (side channel) → plan regions → transfer-engine read → ``Release``. The job never
@@ -23,6 +24,7 @@ destination blocks go back to vLLM only once no write can land in them any more:
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,12 +32,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from mooncake_vllm.config import ConnectorConfig
 from mooncake_vllm.engine import TransferEngine
-from mooncake_vllm.leases import LeaseTable
-from mooncake_vllm.local_channels import WakeSender, hold_endpoint, wake_endpoint
+from mooncake_vllm.local_channels import WakeSender, claim, wake_endpoint
 from mooncake_vllm.metadata import P2P_HANDSHAKE
 from mooncake_vllm.metadata_bridge import MetadataBridge
 from mooncake_vllm.planning import plan_regions, tensor_segments
@@ -44,7 +46,6 @@ from mooncake_vllm.protocol import (
     EngineRecord,
     Granted,
     Handoff,
-    Hold,
     MemSegment,
     Refused,
     Release,
@@ -53,7 +54,7 @@ from mooncake_vllm.protocol import (
     registry_key,
 )
 from mooncake_vllm.scheduler import engine_compat_hash
-from mooncake_vllm.side_channel import SideChannelClient, SideChannelServer
+from mooncake_vllm.side_channel import SideChannelClient, SideChannelError
 from mooncake_vllm.stats import MooncakeStats
 from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata
 
@@ -66,6 +67,7 @@ _RELEASE_TIMEOUT_S = 2.0
 # A pull still stuck in the acquire or the first handshake this long after its deadline is
 # abandoned (reported failed without waiting for its thread).
 _ABANDON_AFTER_S = 0.5
+_SWITCH_INTERVAL_S = 0.0005
 _PULL_THREADS = 8  # pulls mostly sleep (side channel, status polls); a stuck one must not queue
 
 
@@ -123,12 +125,15 @@ class WorkerHalf:
 
         self._cfg = cfg
         self._tp_rank = get_tensor_model_parallel_rank()
+        # Our side-channel and pull threads each need the GIL a few times per transfer, and the
+        # step thread keeps it up to the switch interval (5 ms) every time one asks.
+        sys.setswitchinterval(_SWITCH_INTERVAL_S)
         self._num_blocks = num_blocks
         self._engine: TransferEngine | None = None
         self._segments: list[MemSegment] = []
         self._bytes_per_block = 0
-        self._leases: LeaseTable | None = None
-        self._server: SideChannelServer | None = None
+        self._claim: zmq.Socket | None = None
+        self._finished_sending: set[str] = set()  # from the scheduler's metadata, this step
         self._client: SideChannelClient | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pulls: dict[str, _PullJob] = {}
@@ -137,16 +142,6 @@ class WorkerHalf:
         self._stats_lock = threading.Lock()
         self._bridge: MetadataBridge | None = None
         self._compat_hash = engine_compat_hash(vllm_config)
-        s = cfg.settings
-        if cfg.is_producer:
-            self._leases = LeaseTable(
-                ttl_s=s.lease_ttl_s,
-                budget_bytes=s.kv_buffer_size,
-                # A pinned lease outlives the consumer's whole pull: its last attempt ends by
-                # the deadline plus one stall timeout.
-                pull_hold_s=s.load_timeout_s + s.stall_timeout_s + 5.0,
-                on_end=self._wake_scheduler,
-            )
         self._releases: ThreadPoolExecutor | None = None
         if cfg.is_consumer:
             self._client = SideChannelClient()
@@ -170,19 +165,19 @@ class WorkerHalf:
         self._segments = segments
         self._bytes_per_block = sum(s.block_len for s in segments)
         cfg, s = self._cfg, self._cfg.settings
-        if self._leases is not None:
-            # Bound first: the port doubles as this engine's claim on its name, so a second
-            # engine configured with the same address fails here, before it can overwrite our
-            # metadata. Acquires only arrive once this engine has handed blocks over.
-            port = cfg.side_channel_port(self._tp_rank)
-            self._server = SideChannelServer(
-                cfg.host,
-                port,
-                self._leases,
-                layout=lambda: (self._engine.segment_name, segments),
-                on_hold=self._hold,
-                hold_endpoint=hold_endpoint(cfg.host, port),
-            )
+        side_channel = ""
+        if cfg.is_producer:
+            # Claimed first, so a second engine configured with the same address fails here,
+            # before its transfer engine can publish metadata over ours. The side channel itself
+            # is served by the scheduler half (lease_service).
+            side_channel = f"{cfg.host}:{cfg.side_channel_port(self._tp_rank)}"
+            try:
+                self._claim = claim(cfg.host, cfg.side_channel_port(self._tp_rank))
+            except zmq.ZMQError as e:
+                raise SideChannelError(
+                    f"another engine on this host uses {side_channel} ({e}); set "
+                    "prefill_url/decode_url ports apart"
+                ) from e
         self._wake = WakeSender(wake_endpoint(cfg.host, cfg.base_port))
         metadata_arg = P2P_HANDSHAKE
         if cfg.metadata.kind != "p2p":
@@ -207,7 +202,7 @@ class WorkerHalf:
                 role=cfg.role,
                 tp_rank=self._tp_rank,
                 tp_size=cfg.tp_size,
-                side_channel=self._server.address if self._server else "",
+                side_channel=side_channel,
                 te_segment=self._engine.segment_name,
                 compat_hash=self._compat_hash,
             )
@@ -216,7 +211,7 @@ class WorkerHalf:
             "MooncakeConnector worker rank %d (%s): %d layers, %d segments, %d B/block, "
             "engine %s, side channel %s, metadata %s",
             self._tp_rank, cfg.role, len(kv_caches), len(segments), self._bytes_per_block,
-            self._engine.segment_name, self._server.address if self._server else "-",
+            self._engine.segment_name, side_channel or "-",
             cfg.metadata.describe(),
         )  # fmt: skip
 
@@ -224,18 +219,25 @@ class WorkerHalf:
     def te_segment(self) -> str | None:
         return self._engine.segment_name if self._engine else None
 
-    # ---- every step ----------------------------------------------------------------------
+    @property
+    def segments(self) -> list[MemSegment]:
+        return list(self._segments)
 
-    def _hold(self, hold: Hold) -> None:
-        """A lease from the scheduler half (side-channel thread), before any acquire for it."""
-        nbytes = len(hold.block_ids) * self._bytes_per_block
-        self._leases.add(hold.req_id, hold.transfer_id, hold.block_ids, nbytes)
+    # ---- every step ----------------------------------------------------------------------
 
     def _wake_scheduler(self) -> None:
         if self._wake is not None:
             self._wake.wake()
 
     def start_load_kv(self, meta: MooncakeConnectorMetadata) -> None:
+        self._finished_sending |= meta.finished_sending
+        if self._tp_rank == 0 and (meta.ended_leases or meta.held_leases is not None):
+            with self._stats_lock:
+                for reason, n in meta.ended_leases.items():
+                    if reason in ("released", "expired", "evicted"):
+                        self._stats.count(reason, n)
+                if meta.held_leases is not None:
+                    self._stats.data["held_leases"] = {"0": meta.held_leases}
         for load in meta.loads:
             assert self._pool is not None, "loads are only planned on a consumer"
             job = _PullJob(load.req_id, time.monotonic() + self._cfg.settings.load_timeout_s)
@@ -271,9 +273,7 @@ class WorkerHalf:
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
-        if self._leases is not None:
-            self._leases.expire()
-            results.finished_sending = self._leases.take_finished()
+        results.finished_sending, self._finished_sending = self._finished_sending, set()
         for outcome in self._finished_pulls():
             req_id = outcome.req_id
             if outcome.reason == "release-only":
@@ -301,11 +301,6 @@ class WorkerHalf:
 
     def get_stats(self) -> MooncakeStats | None:
         with self._stats_lock:
-            if self._leases is not None:
-                ended = self._leases.ended_counts
-                for key in ("released", "expired", "evicted"):
-                    self._stats.count(key, ended.pop(key, 0))
-                self._stats.data["held_leases"] = {str(self._tp_rank): self._leases.held_count}
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, MooncakeStats()
@@ -418,8 +413,8 @@ class WorkerHalf:
             self._pool.shutdown(wait=True, cancel_futures=True)
         if self._releases is not None:
             self._releases.shutdown(wait=True)
-        if self._server is not None:
-            self._server.close()
+        if self._claim is not None:
+            self._claim.close()
         if self._client is not None:
             self._client.close()
         if self._wake is not None:
