@@ -133,8 +133,9 @@ class TransferEngine:
         spin a core for the whole transfer. Between polls the thread sleeps.
 
         A failed entry is read again (reads are idempotent) while a retry can still finish by
-        ``deadline``: on TCP the engine drops an entry's connection after ``stall_s`` without
-        progress (``MC_TCP_PROGRESS_TIMEOUT_SEC``), so a stalled entry fails and is retried.
+        ``deadline`` and the peer has delivered something in this read: on TCP the engine drops
+        an entry's connection after ``stall_s`` without progress (``MC_TCP_PROGRESS_TIMEOUT_SEC``),
+        so a stalled entry fails and is retried; a peer that delivered nothing fails the read.
 
         No write can land after this returns or raises: it only returns once every entry it
         submitted has ended (done, or failed with its connection closed), so the destination
@@ -145,7 +146,8 @@ class TransferEngine:
         start = time.monotonic()
         todo = deque((r, 0) for r in regions)  # (region, failed attempts so far)
         in_flight: dict[int, tuple[Region, int, float]] = {}  # batch id -> (region, tries, t0)
-        retries = stalls = 0
+        retries = stalls = completed = 0
+        last_done_s = float("-inf")
         failure: TransferError | None = None
         if not should_start():
             raise TransferError("pull abandoned before its read started", peer=peer, entries=0)
@@ -174,10 +176,23 @@ class TransferEngine:
                 if status in (_CHECK_PENDING, _CHECK_TIMED_OUT):
                     continue
                 del in_flight[bid]
-                if status != _CHECK_DONE:
-                    retries += 1
-                    stalls += time.monotonic() - t0 >= stall_s
-                    todo.append((region, tries + 1))
+                now = time.monotonic()
+                if status == _CHECK_DONE:
+                    completed, last_done_s = completed + 1, now
+                    continue
+                stalled = now - t0 >= stall_s
+                stalls += stalled
+                # Retry only a peer that is alive: for a stall, one that completed an entry
+                # while this one sat idle. A retry to a frozen peer waits in connect, which the
+                # engine's progress timeout does not cover, and the pull would end late.
+                alive = last_done_s >= t0 + stall_s / 2 if stalled else completed > 0
+                if not alive:
+                    failure = failure or TransferError(
+                        "no progress from the peer", peer=peer, entries=len(in_flight) + 1
+                    )
+                    continue
+                retries += 1
+                todo.append((region, tries + 1))
             if failure is not None and not in_flight:
                 raise failure
             if not todo and not in_flight:

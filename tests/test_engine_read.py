@@ -98,20 +98,28 @@ def test_no_more_attempts_than_in_flight_allows():
 
 
 def test_past_the_deadline_the_read_fails_but_only_once_every_entry_has_ended():
-    # Entry 100 stays pending for ~0.3 s of polls, entry 101 fails every time.
-    fake = FakeEngine({100: [[0] * 60 + [1]], 101: [[-1]]})
+    # Entry 100 is done at once; 101 stays pending for ~0.3 s of polls; 102 fails every time.
+    fake = FakeEngine({101: [[0] * 60 + [1]], 102: [[-1]]})
     start = time.monotonic()
     with pytest.raises(TransferTimeout):
-        read(fake, 2, deadline_s=0.2, stall_s=0.05)
+        read(fake, 3, deadline_s=0.2, stall_s=0.05)
     assert fake.live == {}, "read returned while an entry could still write"
     assert time.monotonic() - start < 2.0
 
 
 def test_no_retry_starts_that_could_not_end_by_the_deadline():
-    fake = FakeEngine({100: [[-1]]})
+    fake = FakeEngine({101: [[-1]]})
     with pytest.raises(TransferTimeout):
-        read(fake, 1, deadline_s=0.5, stall_s=1.0)
-    assert fake.submitted == [100]  # the first attempt only: a retry would end past the deadline
+        read(fake, 2, deadline_s=0.5, stall_s=1.0)
+    assert fake.submitted == [100, 101]  # no retry: it would end past the deadline
+
+
+def test_a_peer_that_delivers_nothing_fails_the_read_without_retries():
+    fake = FakeEngine({100: [[0, -1]], 101: [[0, 0, -1]]})
+    with pytest.raises(TransferError, match="no progress from the peer"):
+        read(fake, 2)
+    assert fake.submitted == [100, 101]
+    assert fake.live == {}
 
 
 def test_an_abandoned_pull_submits_nothing():
