@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import sys
+import threading
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -77,6 +78,7 @@ class SchedulerHalf:
         self._te_segments: list[str] = []
         self._loads: dict[str, LoadSpec] = {}
         self._engine_core = _find_engine_core()
+        self._woken = threading.Event()  # a worker or a lease reported since the last rest
         # Producer: leases and side channels live here, see lease_service.
         self._leases: LeaseService | None = None
         if cfg.is_producer:
@@ -221,9 +223,13 @@ class SchedulerHalf:
         """Nothing can run until a worker reports (a pull ends, a lease ends): no running
         request, every waiting one waits for its KV (a new request wakes ``_rest``)."""
         sched = self._engine_core.scheduler
-        if sched.running:
-            return False
-        waiting = (*sched.waiting, *getattr(sched, "kv_holding_waiting", ()))
+        if sched.running or getattr(sched, "finished_recving_kv_req_ids", None):
+            return False  # running, or a finished load still to be promoted
+        waiting = (
+            *sched.waiting,
+            *getattr(sched, "kv_holding_waiting", ()),
+            *getattr(sched, "deferred_waiting", ()),
+        )
         return all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in waiting)
 
     def _rest(self) -> None:
@@ -234,14 +240,23 @@ class SchedulerHalf:
         this an idle prefill or decode keeps two cores busy. Both events arrive in vLLM's input
         queue (a worker's wake-up as a no-op WAKEUP request, see ``_wake_engine_core``), so the
         wait is on that queue's own condition, which ``put`` notifies: nothing polls."""
+        if self._woken.is_set():
+            # A worker reported after the last step collected its results, and vLLM may have
+            # taken the no-op request off the queue already: step now, do not wait for another.
+            self._woken.clear()
+            return
         inputs: queue.Queue = self._engine_core.input_queue
         with inputs.not_empty:
-            inputs.not_empty.wait_for(lambda: inputs._qsize() > 0, timeout=MAX_REST_S)
+            inputs.not_empty.wait_for(
+                lambda: inputs._qsize() > 0 or self._woken.is_set(), timeout=MAX_REST_S
+            )
+        self._woken.clear()
 
     def _wake_engine_core(self) -> None:
         """Thread-safe: a no-op request that ends ``_rest`` (nothing without an engine core)."""
         from vllm.v1.engine import EngineCoreRequestType
 
+        self._woken.set()
         if self._engine_core is not None:
             self._engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
