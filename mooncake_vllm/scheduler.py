@@ -22,6 +22,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.request import RequestStatus
 
 from mooncake_vllm.config import ConnectorConfig
@@ -254,8 +255,6 @@ class SchedulerHalf:
 
     def _wake_engine_core(self) -> None:
         """Thread-safe: a no-op request that ends ``_rest`` (nothing without an engine core)."""
-        from vllm.v1.engine import EngineCoreRequestType
-
         self._woken.set()
         if self._engine_core is not None:
             self._engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))

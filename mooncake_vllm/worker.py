@@ -24,7 +24,6 @@ destination blocks go back to vLLM only once no write can land in them any more:
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,7 +66,6 @@ _RELEASE_TIMEOUT_S = 2.0
 # A pull still stuck in the acquire or the first handshake this long after its deadline is
 # abandoned (reported failed without waiting for its thread).
 _ABANDON_AFTER_S = 0.5
-_SWITCH_INTERVAL_S = 0.0005
 _PULL_THREADS = 8  # pulls mostly sleep (side channel, status polls); a stuck one must not queue
 
 
@@ -125,9 +123,6 @@ class WorkerHalf:
 
         self._cfg = cfg
         self._tp_rank = get_tensor_model_parallel_rank()
-        # Our side-channel and pull threads each need the GIL a few times per transfer, and the
-        # step thread keeps it up to the switch interval (5 ms) every time one asks.
-        sys.setswitchinterval(_SWITCH_INTERVAL_S)
         self._num_blocks = num_blocks
         self._engine: TransferEngine | None = None
         self._segments: list[MemSegment] = []
