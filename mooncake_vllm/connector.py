@@ -105,7 +105,9 @@ class MooncakeConnector(KVConnectorBase_V1):
         return r.finished_sending, r.finished_recving
 
     def get_kv_connector_stats(self) -> MooncakeStats | None:
-        return self._worker.get_stats() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.get_stats()
+        return self._scheduler.get_stats() if self._scheduler is not None else None
 
     def get_handshake_metadata(self) -> MooncakeHandshake | None:
         if self._worker is None or self._worker.te_segment is None:

@@ -35,6 +35,7 @@ from mooncake_vllm.protocol import (
     parse_handoff,
     validate_handoff,
 )
+from mooncake_vllm.stats import MooncakeStats
 from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata
 
 if TYPE_CHECKING:
@@ -208,8 +209,6 @@ class SchedulerHalf:
         self._loads = {}
         if self._leases is not None:
             meta.finished_sending = self._leases.take_finished()
-            meta.ended_leases = self._leases.take_ended_counts()
-            meta.held_leases = self._leases.held_count
         if meta.loads or meta.finished_sending or scheduler_output.total_num_scheduled_tokens:
             return meta
         if self._waker is None:
@@ -258,6 +257,18 @@ class SchedulerHalf:
         self._woken.set()
         if self._engine_core is not None:
             self._engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    def get_stats(self) -> MooncakeStats | None:
+        """The producer's lease figures, reported by vLLM after every step's update (so a lease
+        opened by ``request_finished`` is counted before its response leaves)."""
+        if self._leases is None:
+            return None
+        stats = MooncakeStats()
+        for reason, n in self._leases.take_ended_counts().items():
+            if reason in ("released", "expired", "evicted"):
+                stats.count(reason, n)
+        stats.data["held_leases"] = self._leases.held_count
+        return stats
 
     def shutdown(self) -> None:
         if self._leases is not None:

@@ -1,7 +1,8 @@
 """Transfer statistics through vLLM's connector-stats hooks.
 
-Workers fill a ``MooncakeStats`` per step (``get_kv_connector_stats``); vLLM aggregates them
-across workers and intervals, logs ``reduce()`` with its periodic stats line, and hands the raw
+Workers fill a ``MooncakeStats`` per step with their pulls, the scheduler half with the producer's
+leases (both through ``get_kv_connector_stats``); vLLM aggregates them across workers, halves and
+intervals, logs ``reduce()`` with its periodic stats line, and hands the raw
 data to ``MooncakePromMetrics.observe`` for its Prometheus ``/metrics``.
 """
 
@@ -22,15 +23,8 @@ _SAMPLES = ("durations_s", "acquires_s", "reads_s")
 
 
 def _empty() -> dict[str, Any]:
-    # held_leases is a point-in-time value per TP rank ({rank: count}): aggregation keeps the
-    # newest value of each rank instead of summing over steps.
+    # held_leases is a point-in-time value: aggregation keeps the newest instead of summing.
     return {**dict.fromkeys(_COUNTERS, 0), **{k: [] for k in _SAMPLES}, "held_leases": None}
-
-
-def _held(data: dict[str, Any]) -> int | None:
-    """Leases held by the producer: every rank holds the same ones, so the max over ranks."""
-    held = data.get("held_leases")
-    return max(held.values()) if held else None
 
 
 @dataclass
@@ -67,11 +61,8 @@ class MooncakeStats(KVConnectorStats):
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
         for key in _SAMPLES:
             self.data[key] = self.data.get(key, []) + list(other.data.get(key, []))
-        if other.data.get("held_leases"):
-            self.data["held_leases"] = {
-                **(self.data.get("held_leases") or {}),
-                **other.data["held_leases"],
-            }
+        if other.data.get("held_leases") is not None:
+            self.data["held_leases"] = other.data["held_leases"]
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -86,13 +77,13 @@ class MooncakeStats(KVConnectorStats):
             out["avg_read_ms"] = round(1000 * d["read_s"] / d["pulls"], 3)
             out["MB"] = round(d["bytes"] / 1e6, 3)
             out["GB/s"] = round(d["bytes"] / total_s / 1e9, 3) if total_s else 0.0
-        if (held := _held(d)) is not None:
-            out["held_leases"] = held
+        if d.get("held_leases") is not None:
+            out["held_leases"] = d["held_leases"]
         return out
 
     def is_empty(self) -> bool:
         d = self.data
-        return not any(d.get(k) for k in _COUNTERS) and not d.get("held_leases")
+        return not any(d.get(k) for k in _COUNTERS) and d.get("held_leases") is None
 
 
 class MooncakePromMetrics(KVConnectorPromMetrics):
@@ -147,5 +138,5 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
         for key, metrics in self._histograms.items():
             for value in transfer_stats_data.get(key, ()):
                 metrics[engine_idx].observe(value)
-        if (held := _held(transfer_stats_data)) is not None:
+        if (held := transfer_stats_data.get("held_leases")) is not None:
             self._held[engine_idx].set(held)

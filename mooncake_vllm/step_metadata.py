@@ -31,6 +31,3 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     # Producer: requests whose leases ended on every rank; workers report them finished-sending
     # (which frees their blocks) in this same step.
     finished_sending: set[str] = field(default_factory=set)
-    # Producer lease figures for the connector stats (reported by rank 0's worker).
-    ended_leases: dict[str, int] = field(default_factory=dict)
-    held_leases: int | None = None

@@ -226,13 +226,6 @@ class WorkerHalf:
 
     def start_load_kv(self, meta: MooncakeConnectorMetadata) -> None:
         self._finished_sending |= meta.finished_sending
-        if self._tp_rank == 0 and (meta.ended_leases or meta.held_leases is not None):
-            with self._stats_lock:
-                for reason, n in meta.ended_leases.items():
-                    if reason in ("released", "expired", "evicted"):
-                        self._stats.count(reason, n)
-                if meta.held_leases is not None:
-                    self._stats.data["held_leases"] = {"0": meta.held_leases}
         for load in meta.loads:
             assert self._pool is not None, "loads are only planned on a consumer"
             job = _PullJob(load.req_id, time.monotonic() + self._cfg.settings.load_timeout_s)

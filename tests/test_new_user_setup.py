@@ -173,7 +173,7 @@ async def test_idle_pair_with_a_held_lease_and_a_waiting_pull_costs_almost_no_cp
             head = await complete(
                 http, setup.prefill, {**body, "max_tokens": 1, "kv_transfer_params": params}
             )
-            assert setup.prefill.metric("mooncake_vllm:held_leases") == 1
+            await eventually(lambda: setup.prefill.metric("mooncake_vllm:held_leases") == 1, 5.0)
             mangled = {**head.kv_transfer_params, "side_channel_ports": [mute_port]}
             failures0 = setup.decode.metric("mooncake_vllm:pull_failures_total")
             waiting = asyncio.ensure_future(
