@@ -2,9 +2,9 @@
 
 vLLM builds it twice per engine: with role SCHEDULER in the engine-core process (→
 ``SchedulerHalf``) and with role WORKER in every worker process (→ ``WorkerHalf``). The halves
-share no memory; the scheduler half speaks to the worker half only through the per-step
-``MooncakeConnectorMetadata``. The config is loaded and validated in both, at construction, so a
-bad config stops vLLM at startup.
+share no memory; they speak only through the per-step ``MooncakeConnectorMetadata`` (scheduler →
+workers) and ``MooncakeWorkerMeta`` (workers → scheduler). The config is loaded and validated in
+both, at construction, so a bad config stops vLLM at startup.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from mooncake_vllm.config import load_settings, resolve
 from mooncake_vllm.lease_service import RankLayout
 from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.protocol import MemSegment
-from mooncake_vllm.scheduler import SchedulerHalf
+from mooncake_vllm.scheduler import SchedulerHalf, engine_compat_hash
 from mooncake_vllm.stats import MooncakePromMetrics, MooncakeStats
-from mooncake_vllm.step_metadata import MooncakeConnectorMetadata
+from mooncake_vllm.step_metadata import MooncakeConnectorMetadata, MooncakeWorkerMeta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,10 +73,17 @@ class MooncakeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerHalf(self._cfg, vllm_config)
         else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
             from mooncake_vllm.worker import WorkerHalf  # needs torch; workers only
 
             assert kv_cache_config is not None
-            self._worker = WorkerHalf(self._cfg, vllm_config, kv_cache_config.num_blocks)
+            self._worker = WorkerHalf(
+                self._cfg,
+                get_tensor_model_parallel_rank(),
+                engine_compat_hash(vllm_config),
+                kv_cache_config.num_blocks,
+            )
 
     # ---- worker side ---------------------------------------------------------------------
 
@@ -103,6 +110,9 @@ class MooncakeConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending, r.finished_recving
+
+    def build_connector_worker_meta(self) -> MooncakeWorkerMeta | None:
+        return self._worker.build_worker_meta()
 
     def get_kv_connector_stats(self) -> MooncakeStats | None:
         if self._worker is not None:
@@ -139,6 +149,12 @@ class MooncakeConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self._scheduler.bind_block_pool(gpu_block_pool)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         layouts = {

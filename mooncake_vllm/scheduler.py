@@ -9,6 +9,13 @@ an asynchronous external load; ``update_state_after_alloc`` validates the handof
 destination blocks. A handoff that fails validation is still claimed and then reported failed by
 the worker, so vLLM's ``kv_load_failure_policy`` (recompute or fail) decides for every bad
 handoff alike.
+
+Late writes: the transfer engine cannot cancel a read, and a pull can be reported failed at its
+deadline while entries are still in flight (a frozen producer). The destination blocks are
+therefore pinned in vLLM's block pool (one extra reference, as vLLM's own offload connector
+protects blocks under a store) from planning until every worker rank reports the load settled
+(all its entries ended): whatever vLLM does with the request meanwhile — fail it, recompute it
+into fresh blocks, abort it — those blocks are not handed to another request.
 """
 
 from __future__ import annotations
@@ -36,12 +43,15 @@ from mooncake_vllm.protocol import (
     validate_handoff,
 )
 from mooncake_vllm.stats import MooncakeStats
-from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata
+from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata, MooncakeWorkerMeta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -79,6 +89,8 @@ class SchedulerHalf:
         self._compat_hash = engine_compat_hash(vllm_config)
         self._te_segments: list[str] = []
         self._loads: dict[str, LoadSpec] = {}
+        # Consumer: blocks under a pull (None until vLLM binds its block pool).
+        self._pins: BlockPins | None = None
         self._engine_core = _find_engine_core()
         self._woken = threading.Event()  # a worker or a lease reported since the last rest
         # Producer: leases and side channels live here, see lease_service.
@@ -135,6 +147,17 @@ class SchedulerHalf:
         if error is not None:
             logger.warning("request %s: handoff rejected: %s", req_id, error)
         self._loads[req_id] = LoadSpec(req_id, handoff, remote_block_ids, local_block_ids, error)
+        if self._pins is not None:
+            self._pins.pin(req_id, local_block_ids)
+
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        if self._cfg.is_consumer:
+            self._pins = BlockPins(pool, self._cfg.tp_size)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if self._pins is not None and isinstance(meta, MooncakeWorkerMeta):
+            self._pins.settle(meta.settled)
 
     def _check(self, request: Request, params: dict[str, Any]) -> tuple[Handoff | None, str | None]:
         """The handoff (None when it must not be acted on) and the rejection reason, if any."""
@@ -275,6 +298,36 @@ class SchedulerHalf:
             self._leases.close()
         if self._waker is not None:
             self._waker.close()
+
+
+class BlockPins:
+    """Blocks under a pull, held with one extra reference in vLLM's block pool until every TP
+    rank has reported the load settled (see the module docstring)."""
+
+    def __init__(self, pool: BlockPool, tp_size: int):
+        self._pool, self._tp_size = pool, tp_size
+        self._pinned: dict[str, tuple[list[KVCacheBlock], int]] = {}  # → (blocks, ranks left)
+
+    def pin(self, req_id: str, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        blocks = [self._pool.blocks[b] for b in block_ids]
+        self._pool.touch(blocks)
+        self._pinned[req_id] = (blocks, self._tp_size)
+
+    def settle(self, req_ids: list[str]) -> None:
+        """One element per rank that settled a load; the last rank unpins its blocks."""
+        for req_id in req_ids:
+            if (pinned := self._pinned.pop(req_id, None)) is None:
+                continue
+            blocks, ranks_left = pinned
+            if ranks_left > 1:
+                self._pinned[req_id] = (blocks, ranks_left - 1)
+            else:
+                self._pool.free_blocks(reversed(blocks))
+
+    def __len__(self) -> int:
+        return len(self._pinned)
 
 
 def _find_engine_core() -> Any | None:

@@ -11,14 +11,15 @@ lost. A failed pull is reported in ``failed_recving`` and vLLM's ``kv_load_failu
 decides. When a pull ends the worker wakes the scheduler half (``local_channels``), which lets
 vLLM rest while nothing else is to be done.
 
-Deadline (``load_timeout_s``) and late writes: the transfer engine cannot cancel a read, so the
-destination blocks go back to vLLM only once no write can land in them any more:
-- ``TransferEngine.read`` returns only when every entry it submitted has ended; a stalled entry is
-  ended by the engine itself (its connection dropped after ``stall_timeout_s`` without progress),
-  and no attempt starts unless it can end by the deadline;
-- a pull whose thread is still in the acquire or the engine's first handshake with the producer
-  (which can block in C++) when the deadline passes is *abandoned*: reported failed, and its thread
-  then submits nothing into the blocks (``_PullJob.start_reading`` decides under a lock).
+Deadline (``load_timeout_s``) and late writes: the transfer engine cannot cancel a read. A pull
+not done a quarter second past its deadline is reported failed at once (vLLM's policy then fails or
+recomputes the request); its destination blocks stay pinned by the scheduler half until this
+worker reports the load *settled* (``MooncakeWorkerMeta``), which happens only when its thread has
+returned — and ``TransferEngine.read`` returns only once every entry it submitted has ended (a
+stalled entry is ended by the engine after ``stall_timeout_s`` without progress; no attempt starts
+unless it can end by the deadline). A pull still in the acquire or the engine's first handshake
+(which can block in C++) at the deadline submits nothing afterwards (``_PullJob.start_reading``
+decides under a lock).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -52,20 +52,15 @@ from mooncake_vllm.protocol import (
     encode_record,
     registry_key,
 )
-from mooncake_vllm.scheduler import engine_compat_hash
 from mooncake_vllm.side_channel import SideChannelClient, SideChannelError
 from mooncake_vllm.stats import MooncakeStats
-from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata
-
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata, MooncakeWorkerMeta
 
 logger = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0
-# A pull still stuck in the acquire or the first handshake this long after its deadline is
-# abandoned (reported failed without waiting for its thread).
-_ABANDON_AFTER_S = 0.5
+# A pull not done this long after its deadline is reported failed without waiting for its thread.
+_REPORT_AFTER_S = 0.25
 _PULL_THREADS = 8  # pulls mostly sleep (side channel, status polls); a stuck one must not queue
 
 
@@ -92,8 +87,11 @@ class PullOutcome:
 class _PullJob:
     """One pull's shared state between its thread and the step thread."""
 
-    def __init__(self, req_id: str, deadline: float):
+    def __init__(self, req_id: str, deadline: float, awaited: bool):
         self.req_id, self.deadline = req_id, deadline
+        # vLLM waits for its outcome (False: only the producer's lease is to be released).
+        self.awaited = awaited
+        self.reported = False  # its outcome went to vLLM (possibly before its thread returned)
         self.future: Future[PullOutcome] | None = None
         self._lock = threading.Lock()
         self._reading = self._abandoned = False
@@ -105,8 +103,8 @@ class _PullJob:
             return self._reading
 
     def abandon(self) -> bool:
-        """Called by the step thread past the deadline: True if no write into the blocks can
-        happen any more (the read never started), so the blocks may go back to vLLM."""
+        """Called by the step thread past the deadline: True if the read never started (and now
+        never will)."""
         with self._lock:
             self._abandoned = self._abandoned or not self._reading
             return self._abandoned
@@ -118,11 +116,9 @@ def _memory_location(t: torch.Tensor) -> str:
 
 
 class WorkerHalf:
-    def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig, num_blocks: int):
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
+    def __init__(self, cfg: ConnectorConfig, tp_rank: int, compat_hash: str, num_blocks: int):
         self._cfg = cfg
-        self._tp_rank = get_tensor_model_parallel_rank()
+        self._tp_rank = tp_rank
         self._num_blocks = num_blocks
         self._engine: TransferEngine | None = None
         self._segments: list[MemSegment] = []
@@ -132,11 +128,12 @@ class WorkerHalf:
         self._client: SideChannelClient | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pulls: dict[str, _PullJob] = {}
+        self._settled: list[str] = []  # loads whose thread returned, for the next worker meta
         self._wake: WakeSender | None = None
         self._stats = MooncakeStats()
         self._stats_lock = threading.Lock()
         self._bridge: MetadataBridge | None = None
-        self._compat_hash = engine_compat_hash(vllm_config)
+        self._compat_hash = compat_hash
         self._releases: ThreadPoolExecutor | None = None
         if cfg.is_consumer:
             self._client = SideChannelClient()
@@ -228,12 +225,13 @@ class WorkerHalf:
         self._finished_sending |= meta.finished_sending
         for load in meta.loads:
             assert self._pool is not None, "loads are only planned on a consumer"
-            job = _PullJob(load.req_id, time.monotonic() + self._cfg.settings.load_timeout_s)
+            deadline = time.monotonic() + self._cfg.settings.load_timeout_s
+            job = _PullJob(load.req_id, deadline, awaited=bool(load.local_block_ids))
             job.future = self._pool.submit(self._run_pull, load, job)
             self._pulls[load.req_id] = job
-            # Wakes the scheduler at the deadline in case the pull thread is stuck in C++.
+            # Wakes the scheduler to report the pull failed if it is not done by then.
             timer = threading.Timer(
-                job.deadline - time.monotonic() + _ABANDON_AFTER_S, self._wake_scheduler
+                job.deadline - time.monotonic() + _REPORT_AFTER_S, self._wake_scheduler
             )
             timer.daemon = True
             timer.start()
@@ -245,27 +243,35 @@ class WorkerHalf:
         finally:
             self._wake_scheduler()
 
-    def _finished_pulls(self) -> list[PullOutcome]:
+    def _collect_pulls(self) -> list[PullOutcome]:
+        """Outcomes vLLM waits for: of pulls that ended, and failures of pulls past their
+        deadline whose thread is still busy (their loads settle when it returns)."""
         out = []
         now = time.monotonic()
         for req_id, job in list(self._pulls.items()):
             if job.future.done():
-                out.append(job.future.result())  # _pull never raises
-            elif now > job.deadline + _ABANDON_AFTER_S and job.abandon():
-                reason = "no answer by the deadline (acquire or first handshake still blocked)"
+                del self._pulls[req_id]
+                self._settled.append(req_id)
+                if job.awaited and not job.reported:
+                    out.append(job.future.result())  # _pull never raises
+                elif job.reported:
+                    logger.info("request %s: the pull reported failed at its deadline has "
+                                "ended; its blocks are unpinned", req_id)  # fmt: skip
+            elif job.awaited and not job.reported and now > job.deadline + _REPORT_AFTER_S:
+                job.reported = True
+                stage = "acquire or first handshake" if job.abandon() else "read"
+                reason = (
+                    f"not done {self._cfg.settings.load_timeout_s:g}s (load_timeout_s) after it "
+                    f"started, still in the {stage}; its blocks stay pinned until it has ended"
+                )
                 out.append(PullOutcome(req_id, ok=False, reason=reason))
-            else:
-                continue
-            del self._pulls[req_id]
         return out
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
         results.finished_sending, self._finished_sending = self._finished_sending, set()
-        for outcome in self._finished_pulls():
+        for outcome in self._collect_pulls():
             req_id = outcome.req_id
-            if outcome.reason == "release-only":
-                continue  # vLLM did not wait on this request
             results.finished_recving.add(req_id)
             with self._stats_lock:
                 if outcome.ok:
@@ -287,6 +293,12 @@ class WorkerHalf:
                         self._stats.count("refused")
         return results
 
+    def build_worker_meta(self) -> MooncakeWorkerMeta | None:
+        if not self._settled:
+            return None
+        meta, self._settled = MooncakeWorkerMeta(self._settled), []
+        return meta
+
     def get_stats(self) -> MooncakeStats | None:
         with self._stats_lock:
             if self._stats.is_empty():
@@ -306,7 +318,7 @@ class WorkerHalf:
                     self._release(self._producer_address(h), h.transfer_id, load.error is None)
                 except Exception as e:  # the producer's lease TTL frees the blocks anyway
                     logger.warning("release of %s failed: %s", h.transfer_id, e)
-            return PullOutcome(load.req_id, ok=True, reason="release-only")
+            return PullOutcome(load.req_id, ok=True)
         acquired = succeeded = False
         try:
             if load.error is not None:

@@ -890,3 +890,21 @@ def test_stats_sum_counters_and_keep_the_newest_held_lease_count():
     reduced = total.reduce()
     assert (reduced["pulls"], reduced["released"], reduced["held_leases"]) == (1, 1, 0)
     assert reduced["MB"] == 0.001
+
+
+def test_blocks_under_a_pull_are_not_reused_until_every_rank_settled():
+    from vllm.v1.core.block_pool import BlockPool
+
+    from mooncake_vllm.scheduler import BlockPins
+
+    pool = BlockPool(num_gpu_blocks=9, enable_caching=True, hash_block_size=16)
+    free0 = pool.get_num_free_blocks()
+    blocks = pool.get_new_blocks(3)  # the request's allocation
+    pins = BlockPins(pool, tp_size=2)
+    pins.pin("req-1", [b.block_id for b in blocks])
+    pool.free_blocks(blocks)  # vLLM fails the request at the deadline and frees its blocks
+    assert pool.get_num_free_blocks() == free0 - 3  # still pinned: not handed out again
+    pins.settle(["req-1", "req-unknown"])  # rank 0 settled
+    assert (pool.get_num_free_blocks(), len(pins)) == (free0 - 3, 1)
+    pins.settle(["req-1"])  # rank 1 settled: every entry has ended
+    assert (pool.get_num_free_blocks(), len(pins)) == (free0, 0)

@@ -35,10 +35,6 @@ MODEL_SPEC = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=3
                            intermediate=384, seed=4321)  # fmt: skip
 LOAD_TIMEOUT_S = 8.0
 FREEZE_PREFIX = "test-freeze-after-grant/"
-# A frozen producer's connects wait in its listen backlog, outside the engine's progress timeout
-# (MC_TCP_PROGRESS_TIMEOUT_SEC): entries already submitted end up to this much past the deadline
-# (measured 3-8 s). The pull never returns while one could still write into the blocks.
-FROZEN_OVERRUN_S = 15.0
 CONCURRENCY, MAX_TOKENS = 8, 8
 
 
@@ -205,7 +201,9 @@ async def test_idle_pair_with_a_held_lease_and_a_waiting_pull_costs_almost_no_cp
 
 async def test_a_producer_frozen_after_granting_ends_the_pull_by_the_deadline(setup, show_logs):
     """The producer's worker stops (SIGSTOP) right after it granted the acquire: the decode's pull
-    stalls, and the request still ends (an error: default policy), bounded (FROZEN_OVERRUN_S).
+    stalls, and the request still ends (an error: default policy) within load_timeout_s + 1 s.
+    Entries still in flight then keep the destination blocks pinned until they end (after the
+    producer is thawed), so the decode holds nothing only afterwards.
 
     The hook freezes the producer 1 ms after the grant; if the read was faster than that (the
     request then succeeds), the scenario is tried again."""
@@ -225,6 +223,7 @@ async def test_a_producer_frozen_after_granting_ends_the_pull_by_the_deadline(se
             ) as resp:
                 text = await resp.text()
             elapsed = time.monotonic() - t0
+            usage = setup.decode.metric("vllm:kv_cache_usage_perc")
         await asyncio.sleep(0.5)
         frozen = [pid for pid in setup.prefill.process.group_pids() if _state(pid) == "T"]
         for pid in frozen:
@@ -233,8 +232,9 @@ async def test_a_producer_frozen_after_granting_ends_the_pull_by_the_deadline(se
         if resp.status == 200:
             continue  # the read beat the freeze
         assert resp.status >= 400, text
-        print(f"frozen producer: the request ended after {elapsed:.1f}s")
-        assert elapsed < LOAD_TIMEOUT_S + FROZEN_OVERRUN_S, f"the request took {elapsed:.1f}s"
+        print(f"frozen producer: the request ended after {elapsed:.2f}s; decode KV usage then "
+              f"{usage:.3f} (blocks pinned under entries still in flight)")  # fmt: skip
+        assert elapsed < LOAD_TIMEOUT_S + 1.0, f"the request took {elapsed:.2f}s"
         await eventually(
             lambda f0=failures0: setup.decode.metric("mooncake_vllm:pull_failures_total") == f0 + 1
         )
