@@ -98,7 +98,6 @@ class ConnectorConfig:
     tp_size: int
     host: str
     base_port: int
-    kv_load_failure_policy: str
 
     @property
     def is_producer(self) -> bool:
@@ -194,7 +193,6 @@ def resolve(
     role: str | None,
     engine_id: str,
     tp_size: int,
-    kv_load_failure_policy: str = "recompute",
 ) -> ConnectorConfig:
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise ConfigError(
@@ -219,5 +217,4 @@ def resolve(
         tp_size=tp_size,
         host=settings.local_hostname or host,
         base_port=port,
-        kv_load_failure_policy=kv_load_failure_policy,
     )

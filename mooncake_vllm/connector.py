@@ -66,7 +66,6 @@ class MooncakeConnector(KVConnectorBase_V1):
             ktc.kv_role,
             ktc.engine_id or "mooncake",
             vllm_config.parallel_config.tensor_parallel_size,
-            ktc.kv_load_failure_policy,
         )
         self._scheduler: SchedulerHalf | None = None
         self._worker = None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -97,7 +96,6 @@ class TransferEngine:
         self._hostname = hostname
         self._p2p = p2p
         self._registered: list[int] = []
-        self._lock = threading.Lock()
         self._warm: set[str] = set()  # peers this engine has read from (handshake done)
         self._scratch: ctypes.Array | None = None
 
@@ -238,12 +236,11 @@ class TransferEngine:
         raise TransferError("no read from the peer succeeded", peer=peer, entries=1, code=status)
 
     def close(self) -> None:
-        with self._lock:
-            for addr in self._registered:
-                rc = self._te.unregister_memory(addr)
-                if rc != 0:
-                    logger.warning("unregister_memory(%#x) returned %d", addr, rc)
-            self._registered.clear()
-            # Dropping the engine now runs its destructor, which removes its metadata keys,
-            # while the metadata bridge that serves them is still up.
-            self._te = None
+        for addr in self._registered:
+            rc = self._te.unregister_memory(addr)
+            if rc != 0:
+                logger.warning("unregister_memory(%#x) returned %d", addr, rc)
+        self._registered.clear()
+        # Dropping the engine now runs its destructor, which removes its metadata keys, while
+        # the metadata bridge that serves them is still up.
+        self._te = None

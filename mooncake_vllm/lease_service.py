@@ -119,6 +119,10 @@ class LeaseService:
     def held_count(self) -> int:
         return self._tables[0].held_count
 
+    @property
+    def held_bytes(self) -> int:
+        return sum(table.held_bytes for table in self._tables)
+
     def _freeze_hook(self, rank: int) -> Callable[[str], None]:
         def freeze(transfer_id: str) -> None:
             if transfer_id.startswith(_FREEZE_PREFIX):

@@ -96,11 +96,6 @@ class LeaseTable:
             self._end(lease, reason)
             return True
 
-    def end_request(self, req_id: str, reason: str) -> None:
-        with self._lock:
-            for lease in [x for x in self._live.values() if x.req_id == req_id]:
-                self._end(lease, reason)
-
     def expire(self) -> None:
         now = self._clock()
         with self._lock:

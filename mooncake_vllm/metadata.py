@@ -300,9 +300,6 @@ class MemoryStore:
         if self._data.pop(key, None) is not None:
             self._save()
 
-    def keys(self) -> list[str]:
-        return [k for k in list(self._data) if self._live(k) is not None]
-
     async def close(self) -> None:
         return
 

@@ -31,7 +31,6 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     # ``producer_engine_id`` in the engine registry (needs a metadata store on the consumer).
     side_channel_host: str = ""
     side_channel_ports: list[int] = []
-    te_segments: list[str] = []  # one per producer TP rank, when known at handoff time
     remote_block_ids: list[int]
     prompt_len: int
     block_size: int
@@ -140,7 +139,6 @@ class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     """Consumer → producer: pin the lease and tell me where its blocks are."""
 
     transfer_id: str
-    consumer_engine_id: str
     remote_block_ids: list[int]
 
 

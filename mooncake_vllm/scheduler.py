@@ -87,7 +87,6 @@ class SchedulerHalf:
         self._cfg = cfg
         self._block_size = vllm_config.cache_config.block_size
         self._compat_hash = engine_compat_hash(vllm_config)
-        self._te_segments: list[str] = []
         self._loads: dict[str, LoadSpec] = {}
         # Consumer: blocks under a pull (None until vLLM binds its block pool).
         self._pins: BlockPins | None = None
@@ -211,7 +210,6 @@ class SchedulerHalf:
             producer_engine_id=self._cfg.engine_id,
             side_channel_host=self._cfg.host,
             side_channel_ports=[self._cfg.side_channel_port(r) for r in range(self._cfg.tp_size)],
-            te_segments=list(self._te_segments),
             remote_block_ids=prompt_block_ids,
             prompt_len=prompt_len,
             block_size=self._block_size,
@@ -221,7 +219,6 @@ class SchedulerHalf:
 
     def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
         """Every worker rank's transfer-engine segment and KV layout (vLLM's handshake)."""
-        self._te_segments = [layouts[r].te_segment for r in sorted(layouts)]
         if self._leases is not None:
             self._leases.set_layouts(layouts)
 
@@ -291,6 +288,7 @@ class SchedulerHalf:
             if reason in ("released", "expired", "evicted"):
                 stats.count(reason, n)
         stats.data["held_leases"] = self._leases.held_count
+        stats.data["held_bytes"] = self._leases.held_bytes
         return stats
 
     def shutdown(self) -> None:

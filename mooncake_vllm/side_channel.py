@@ -10,6 +10,7 @@ in ``poll`` until a frame arrives or a lease expires: no periodic tick.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,10 @@ from mooncake_vllm.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+# A failing server loop logs at most this often (with the count), pausing between attempts.
+_ERROR_LOG_INTERVAL_S = 60.0
+_ERROR_PAUSE_S = 0.1
 
 
 class SideChannelError(RuntimeError):
@@ -66,7 +71,6 @@ class SideChannelServer:
             ) from e
         self.address = f"{host}:{port}"
         self._stop = threading.Event()
-        self.malformed_frames = 0
         self._thread = threading.Thread(target=self._run, name="mooncake-side-channel", daemon=True)
         self._thread.start()
 
@@ -80,6 +84,7 @@ class SideChannelServer:
         return max(1, int(1000 * (until - now)) + 1)
 
     def _run(self) -> None:
+        errors, logged_at = 0, -math.inf  # consecutive errors; when the last was logged
         while not self._stop.is_set():
             try:
                 if self._sock.poll(self._poll_timeout_ms()):
@@ -87,15 +92,22 @@ class SideChannelServer:
                         identity, payload = self._sock.recv_multipart()[:2]
                         self._handle(identity, payload)
                 self._leases.expire()
+                if errors:
+                    logger.info("side channel %s recovered after %d errors", self.address, errors)
+                errors = 0
             except Exception:  # the engine must outlive any bad frame or peer
-                logger.exception("side channel error (continuing)")
+                errors += 1
+                if time.monotonic() - logged_at >= _ERROR_LOG_INTERVAL_S:
+                    logged_at = time.monotonic()
+                    logger.exception("side channel %s error (%d in a row; continuing)",
+                                     self.address, errors)  # fmt: skip
+                self._stop.wait(_ERROR_PAUSE_S)  # a persistent error must not spin
         self._sock.close()
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         try:
             frame = decode_frame(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.malformed_frames += 1
             logger.warning("dropping malformed side-channel frame (%d bytes): %s", len(payload), e)
             return
         if isinstance(frame, Acquire):

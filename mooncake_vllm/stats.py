@@ -20,11 +20,12 @@ _COUNTERS = ("pulls", "pull_failures", "bytes", "blocks", "entries", "released",
              "evicted", "refused", "retries", "stalls", "acquire_s", "read_s")  # fmt: skip
 # Per-pull samples, one list each, observed into the histograms below.
 _SAMPLES = ("durations_s", "acquires_s", "reads_s")
+# Point-in-time producer figures (None: not reported): aggregation keeps the newest value.
+_GAUGES = ("held_leases", "held_bytes")
 
 
 def _empty() -> dict[str, Any]:
-    # held_leases is a point-in-time value: aggregation keeps the newest instead of summing.
-    return {**dict.fromkeys(_COUNTERS, 0), **{k: [] for k in _SAMPLES}, "held_leases": None}
+    return {**dict.fromkeys(_COUNTERS, 0), **{k: [] for k in _SAMPLES}, **dict.fromkeys(_GAUGES)}
 
 
 @dataclass
@@ -61,8 +62,9 @@ class MooncakeStats(KVConnectorStats):
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
         for key in _SAMPLES:
             self.data[key] = self.data.get(key, []) + list(other.data.get(key, []))
-        if other.data.get("held_leases") is not None:
-            self.data["held_leases"] = other.data["held_leases"]
+        for key in _GAUGES:
+            if other.data.get(key) is not None:
+                self.data[key] = other.data[key]
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -77,13 +79,12 @@ class MooncakeStats(KVConnectorStats):
             out["avg_read_ms"] = round(1000 * d["read_s"] / d["pulls"], 3)
             out["MB"] = round(d["bytes"] / 1e6, 3)
             out["GB/s"] = round(d["bytes"] / total_s / 1e9, 3) if total_s else 0.0
-        if d.get("held_leases") is not None:
-            out["held_leases"] = d["held_leases"]
+        out.update({k: d[k] for k in _GAUGES if d.get(k) is not None})
         return out
 
     def is_empty(self) -> bool:
         d = self.data
-        return not any(d.get(k) for k in _COUNTERS) and d.get("held_leases") is None
+        return not any(d.get(k) for k in _COUNTERS) and all(d.get(k) is None for k in _GAUGES)
 
 
 class MooncakePromMetrics(KVConnectorPromMetrics):
@@ -124,12 +125,15 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                  "Transfer-engine read of one pull, retries included"),
             )
         }  # fmt: skip
-        self._held = per_engine(
-            self._gauge_cls,
-            "mooncake_vllm:held_leases",
-            "Finished prefills whose KV blocks the producer still holds for a consumer",
-            multiprocess_mode="mostrecent",
-        )
+        self._gauges = {
+            key: per_engine(self._gauge_cls, f"mooncake_vllm:{key}", doc,
+                            multiprocess_mode="mostrecent")
+            for key, doc in (
+                ("held_leases", "Finished prefills whose KV blocks are held for consumers"),
+                ("held_bytes", "KV bytes the producer holds for consumers (all TP ranks; "
+                               "bounded by kv_buffer_size per rank)"),
+            )
+        }  # fmt: skip
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, metrics in self._counters.items():
@@ -138,5 +142,6 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
         for key, metrics in self._histograms.items():
             for value in transfer_stats_data.get(key, ()):
                 metrics[engine_idx].observe(value)
-        if (held := transfer_stats_data.get("held_leases")) is not None:
-            self._held[engine_idx].set(held)
+        for key, metrics in self._gauges.items():
+            if (value := transfer_stats_data.get(key)) is not None:
+                metrics[engine_idx].set(value)

@@ -327,7 +327,7 @@ class WorkerHalf:
             address = self._producer_address(h)
             reply = self._client.call(
                 address,
-                Acquire(h.transfer_id, self._cfg.engine_id, load.remote_block_ids),
+                Acquire(h.transfer_id, load.remote_block_ids),
                 timeout_s=max(0.1, deadline - time.monotonic()),
             )
             if isinstance(reply, Refused):

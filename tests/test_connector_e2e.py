@@ -254,7 +254,6 @@ async def test_fail_policy_gives_a_clear_error_within_the_deadline(pd, both, htt
         "producer_engine_id": "nobody",
         "side_channel_host": "127.0.0.2",
         "side_channel_ports": [13004],
-        "te_segments": ["127.0.0.2:1"],
         "remote_block_ids": [1, 2, 3],
         "prompt_len": 300,
         "block_size": BLOCK,

@@ -488,7 +488,6 @@ def _handoff(**overrides) -> Handoff:
         "producer_engine_id": "prefill-0",
         "side_channel_host": "10.0.0.1",
         "side_channel_ports": [20001, 20003],
-        "te_segments": ["10.0.0.1:20000", "10.0.0.1:20002"],
         "remote_block_ids": [4, 5, 9],
         "prompt_len": 40,
         "block_size": 16,
@@ -635,7 +634,7 @@ def test_compat_hash_changes_with_any_input(field, value):
 @pytest.mark.parametrize(
     "frame",
     [
-        Acquire("t-1", "decode-0", [4, 5, 9]),
+        Acquire("t-1", [4, 5, 9]),
         Granted("t-1", "10.0.0.1:20000", [MemSegment(0x1000, 4096, 2048), MemSegment(0, 64, 64)]),
         Granted("t-1", "10.0.0.1:20000", []),
         Refused("t-1", "transfer t-1 already expired"),
@@ -772,7 +771,7 @@ def test_pulling_lease_expires_at_its_pull_deadline_not_its_ttl(clock):
     assert t.take_finished() == {"req-1"}
 
 
-@pytest.mark.parametrize("end", ["release", "expire", "evict", "end_request"])
+@pytest.mark.parametrize("end", ["release", "expire", "evict"])
 def test_pull_of_an_ended_lease_is_refused_with_the_reason(clock, end):
     t = _table(clock, ttl_s=10.0, budget_bytes=150)
     t.add("req-1", "t-1", [3], nbytes=100)
@@ -783,12 +782,9 @@ def test_pull_of_an_ended_lease_is_refused_with_the_reason(clock, end):
         clock.now_s += 10.0
         t.expire()
         reason = "expired"
-    elif end == "evict":
+    else:
         t.add("req-2", "t-2", [4], nbytes=100)
         reason = "evicted"
-    else:
-        t.end_request("req-1", "aborted")
-        reason = "aborted"
     assert t.acquire("t-1", [3]) == f"transfer t-1 already {reason}"
     assert "req-1" in t.take_finished()
 
@@ -847,17 +843,6 @@ def test_superseding_lease_restarts_the_budget_order(clock):
     assert t.take_finished() == {"req-a"}
     t.add("req-c", "t-c", [3], nbytes=100)
     assert t.take_finished() == {"req-b"}  # oldest remaining, not the re-added t-a
-
-
-def test_end_request_frees_its_lease(clock):
-    t = _table(clock)
-    t.add("req-1", "t-1", [3], nbytes=100)
-    t.add("req-2", "t-2", [4], nbytes=100)
-    t.end_request("req-1", "aborted")
-    assert t.held_count == 1
-    assert t.take_finished() == {"req-1"}
-    t.end_request("req-unknown", "aborted")
-    assert t.take_finished() == set()
 
 
 def test_ended_ids_are_remembered_up_to_a_bound(clock):

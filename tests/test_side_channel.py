@@ -31,7 +31,7 @@ def producer():
 def test_acquire_and_release(producer):
     leases, address, client = producer
     leases.add("req-1", "t-1", [3, 4], nbytes=8192)
-    reply = client.call(address, Acquire("t-1", "decode", [3, 4]), timeout_s=5)
+    reply = client.call(address, Acquire("t-1", [3, 4]), timeout_s=5)
     assert reply == Granted("t-1", "127.0.0.1:9", SEGMENTS)
     assert client.call(address, Release("t-1", True), timeout_s=5) == Released("t-1")
     assert leases.take_finished() == {"req-1"}
@@ -41,7 +41,7 @@ def test_unknown_transfer_id_is_refused_at_once(producer):
     # The producer holds a lease before its handoff exists: an unknown id is never "not yet".
     _, address, client = producer
     start = time.monotonic()
-    reply = client.call(address, Acquire("nope", "decode", [1]), timeout_s=5)
+    reply = client.call(address, Acquire("nope", [1]), timeout_s=5)
     assert isinstance(reply, Refused)
     assert "unknown transfer id nope" in reply.reason
     assert time.monotonic() - start < 0.5
@@ -53,7 +53,7 @@ def test_concurrent_acquires_to_one_producer_are_answered_independently(producer
         leases.add(f"req-{i}", f"t-{i}", [i], nbytes=4096)
     with ThreadPoolExecutor(8) as pool:
         replies = list(
-            pool.map(lambda i: client.call(address, Acquire(f"t-{i}", "d", [i]), 5), range(8))
+            pool.map(lambda i: client.call(address, Acquire(f"t-{i}", [i]), 5), range(8))
         )
     assert all(isinstance(r, Granted) for r in replies)
     assert [r.transfer_id for r in replies] == [f"t-{i}" for i in range(8)]

@@ -66,7 +66,7 @@ def make_worker(engine, side_channel, load_timeout_s: float = 0.6) -> WorkerHalf
     settings = load_settings(
         {"decode_url": "127.0.0.1:17000", "load_timeout_s": load_timeout_s}, env={}
     )
-    worker = WorkerHalf(resolve(settings, "kv_consumer", "consumer", 1, "fail"), 0, "hash", 8)
+    worker = WorkerHalf(resolve(settings, "kv_consumer", "consumer", 1), 0, "hash", 8)
     # What register_kv_caches sets up around a real engine and real KV tensors.
     worker._engine = TransferEngine.wrapping(engine)
     worker._segments = [LOCAL]

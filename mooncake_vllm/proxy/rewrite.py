@@ -18,7 +18,6 @@ from typing import Any
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
-GENERATION_PATHS = (COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH)
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 
