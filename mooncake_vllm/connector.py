@@ -70,7 +70,9 @@ class MooncakeConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(self._cfg, vllm_config)
+            self._scheduler = SchedulerHalf(
+                self._cfg, vllm_config.cache_config.block_size, engine_compat_hash(vllm_config)
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

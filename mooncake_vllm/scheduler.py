@@ -83,10 +83,12 @@ def engine_compat_hash(vllm_config: VllmConfig) -> str:
 
 
 class SchedulerHalf:
-    def __init__(self, cfg: ConnectorConfig, vllm_config: VllmConfig, remember_ids: int = 65536):
+    def __init__(
+        self, cfg: ConnectorConfig, block_size: int, compat_hash: str, remember_ids: int = 65536
+    ):
         self._cfg = cfg
-        self._block_size = vllm_config.cache_config.block_size
-        self._compat_hash = engine_compat_hash(vllm_config)
+        self._block_size = block_size
+        self._compat_hash = compat_hash
         self._loads: dict[str, LoadSpec] = {}
         # Consumer: blocks under a pull (None until vLLM binds its block pool).
         self._pins: BlockPins | None = None

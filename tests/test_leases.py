@@ -1,0 +1,212 @@
+"""Producer leases: hold, acquire, release, expiry, the kv_buffer_size budget; and the
+consumer's block pins that keep blocks under a pull from reuse."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.core.block_pool import BlockPool
+
+from mooncake_vllm.leases import LeaseState, LeaseTable
+from mooncake_vllm.scheduler import BlockPins
+
+# ---- leases ---------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def _table(clock, ttl_s=10.0, budget_bytes=1000, pull_hold_s=5.0) -> LeaseTable:
+    return LeaseTable(ttl_s, budget_bytes, pull_hold_s, clock=clock)
+
+
+def test_hold_acquire_release(clock):
+    t = _table(clock)
+    t.add("req-1", "t-1", [3, 4], nbytes=100)
+    assert (t.held_count, t.held_bytes) == (1, 100)
+    assert t.take_finished() == set()  # held blocks are not freed
+
+    lease = t.acquire("t-1", [3, 4])
+    assert lease.state is LeaseState.PULLING
+    assert (lease.req_id, lease.block_ids) == ("req-1", [3, 4])
+
+    assert t.release("t-1") is True
+    assert lease.state is LeaseState.ENDED
+    assert lease.end_reason == "released"
+    assert (t.held_count, t.held_bytes) == (0, 0)
+    assert t.take_finished() == {"req-1"}
+    assert t.take_finished() == set()  # reported once
+    assert t.ended_counts == {"released": 1}
+
+
+def test_acquire_of_unknown_id_is_not_refused_yet(clock):
+    # The handoff may reach the consumer before the producer's worker registers the lease.
+    assert _table(clock).acquire("t-unknown", [1]) is None
+
+
+def test_acquire_of_part_of_the_lease(clock):
+    t = _table(clock)
+    t.add("req-1", "t-1", [3, 4, 5], nbytes=100)
+    assert t.acquire("t-1", [4, 5]).state is LeaseState.PULLING
+
+
+def test_acquire_of_blocks_outside_the_lease_is_refused(clock):
+    t = _table(clock)
+    t.add("req-1", "t-1", [3, 4], nbytes=100)
+    reason = t.acquire("t-1", [4, 7])
+    assert isinstance(reason, str)
+    assert "not part of the lease" in reason
+    assert t.acquire("t-1", [3, 4]).state is LeaseState.PULLING  # the lease itself is intact
+
+
+def test_second_acquire_while_pulling_is_refused(clock):
+    t = _table(clock)
+    t.add("req-1", "t-1", [3], nbytes=100)
+    t.acquire("t-1", [3])
+    assert t.acquire("t-1", [3]) == "transfer t-1 is already being pulled"
+
+
+def test_release_of_unknown_id(clock):
+    t = _table(clock)
+    assert t.release("t-unknown") is False
+    assert t.take_finished() == set()
+
+
+def test_held_lease_expires_after_ttl(clock):
+    t = _table(clock, ttl_s=10.0)
+    t.add("req-1", "t-1", [3], nbytes=100)
+    clock.now_s += 9.9
+    t.expire()
+    assert t.held_count == 1
+    clock.now_s += 0.1
+    t.expire()
+    assert t.held_count == 0
+    assert t.take_finished() == {"req-1"}
+    assert t.ended_counts == {"expired": 1}
+
+
+def test_pulling_lease_expires_at_its_pull_deadline_not_its_ttl(clock):
+    t = _table(clock, ttl_s=10.0, pull_hold_s=30.0)
+    t.add("req-1", "t-1", [3], nbytes=100)
+    clock.now_s += 9.0
+    t.acquire("t-1", [3])  # pull deadline: now + 30
+    clock.now_s += 20.0  # past the TTL
+    t.expire()
+    assert t.held_count == 1
+    clock.now_s += 10.0
+    t.expire()
+    assert t.held_count == 0
+    assert t.take_finished() == {"req-1"}
+
+
+@pytest.mark.parametrize("end", ["release", "expire", "evict"])
+def test_pull_of_an_ended_lease_is_refused_with_the_reason(clock, end):
+    t = _table(clock, ttl_s=10.0, budget_bytes=150)
+    t.add("req-1", "t-1", [3], nbytes=100)
+    if end == "release":
+        t.release("t-1")
+        reason = "released"
+    elif end == "expire":
+        clock.now_s += 10.0
+        t.expire()
+        reason = "expired"
+    else:
+        t.add("req-2", "t-2", [4], nbytes=100)
+        reason = "evicted"
+    assert t.acquire("t-1", [3]) == f"transfer t-1 already {reason}"
+    assert "req-1" in t.take_finished()
+
+
+def test_budget_evicts_oldest_first(clock):
+    t = _table(clock, budget_bytes=300)
+    for i in range(3):
+        t.add(f"req-{i}", f"t-{i}", [i], nbytes=100)
+    assert (t.held_count, t.take_finished()) == (3, set())  # exactly at budget
+
+    t.add("req-3", "t-3", [3], nbytes=150)  # 450 held: the two oldest go
+    assert t.held_bytes == 250
+    assert t.take_finished() == {"req-0", "req-1"}
+    assert t.acquire("t-0", [0]) == "transfer t-0 already evicted"
+    assert t.acquire("t-2", [2]).state is LeaseState.PULLING
+    assert t.ended_counts == {"evicted": 2}
+
+
+def test_budget_never_evicts_a_lease_being_pulled(clock):
+    t = _table(clock, budget_bytes=200)
+    t.add("req-0", "t-0", [0], nbytes=100)
+    t.add("req-1", "t-1", [1], nbytes=100)
+    t.acquire("t-0", [0])
+    t.add("req-2", "t-2", [2], nbytes=100)  # oldest is pulling: the next oldest held one goes
+    assert t.take_finished() == {"req-1"}
+    assert t.release("t-0") is True
+
+
+def test_lease_larger_than_the_budget_is_freed_at_once(clock):
+    t = _table(clock, budget_bytes=100)
+    t.add("req-0", "t-0", [0], nbytes=500)
+    assert t.held_count == 0
+    assert t.take_finished() == {"req-0"}  # its blocks are freed, not leaked
+
+
+def test_duplicate_transfer_id_supersedes_the_older_lease(clock):
+    t = _table(clock)
+    t.add("req-old", "t-1", [3, 4], nbytes=100)
+    t.add("req-new", "t-1", [7, 8], nbytes=100)
+    assert (t.held_count, t.held_bytes) == (1, 100)
+    assert t.take_finished() == {"req-old"}  # the older request's blocks are freed
+    assert t.ended_counts == {"superseded": 1}
+
+    lease = t.acquire("t-1", [7, 8])
+    assert lease.req_id == "req-new"
+    assert t.acquire("t-1", [3]) == "transfer t-1 is already being pulled"
+    t.release("t-1")
+    assert t.take_finished() == {"req-new"}
+
+
+def test_superseding_lease_restarts_the_budget_order(clock):
+    t = _table(clock, budget_bytes=200)
+    t.add("req-a", "t-a", [0], nbytes=100)
+    t.add("req-b", "t-b", [1], nbytes=100)
+    t.add("req-a2", "t-a", [2], nbytes=100)  # t-a is now the newest
+    assert t.take_finished() == {"req-a"}
+    t.add("req-c", "t-c", [3], nbytes=100)
+    assert t.take_finished() == {"req-b"}  # oldest remaining, not the re-added t-a
+
+
+def test_ended_ids_are_remembered_up_to_a_bound(clock):
+    t = LeaseTable(10.0, 10_000, 5.0, clock=clock, remember_ended=2)
+    for i in range(3):
+        t.add(f"req-{i}", f"t-{i}", [i], nbytes=1)
+        t.release(f"t-{i}")
+    assert t.acquire("t-0", [0]) is None  # forgotten: the side channel treats it as unknown
+    assert t.acquire("t-2", [2]) == "transfer t-2 already released"
+
+
+def test_real_clock_with_a_tiny_ttl():
+    t = LeaseTable(ttl_s=0.0, budget_bytes=1000, pull_hold_s=1.0)
+    t.add("req-1", "t-1", [3], nbytes=100)
+    t.expire()
+    assert t.take_finished() == {"req-1"}
+
+
+def test_blocks_under_a_pull_are_not_reused_until_every_rank_settled():
+    pool = BlockPool(num_gpu_blocks=9, enable_caching=True, hash_block_size=16)
+    free0 = pool.get_num_free_blocks()
+    blocks = pool.get_new_blocks(3)  # the request's allocation
+    pins = BlockPins(pool, tp_size=2)
+    pins.pin("req-1", [b.block_id for b in blocks])
+    pool.free_blocks(blocks)  # vLLM fails the request at the deadline and frees its blocks
+    assert pool.get_num_free_blocks() == free0 - 3  # still pinned: not handed out again
+    pins.settle(["req-1", "req-unknown"])  # rank 0 settled
+    assert (pool.get_num_free_blocks(), len(pins)) == (free0 - 3, 1)
+    pins.settle(["req-1"])  # rank 1 settled: every entry has ended
+    assert (pool.get_num_free_blocks(), len(pins)) == (free0, 0)

@@ -1,0 +1,220 @@
+"""Wire formats: the handoff (kv_transfer_params) parsed and validated once, the compat hash,
+and the side-channel frames."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from mooncake_vllm.protocol import (
+    PROTOCOL_VERSION,
+    Acquire,
+    Granted,
+    Handoff,
+    HandoffError,
+    MemSegment,
+    Refused,
+    Release,
+    Released,
+    compat_hash,
+    decode_frame,
+    encode_frame,
+    parse_handoff,
+    validate_handoff,
+)
+
+# ---- protocol: the handoff ------------------------------------------------------------------
+
+HASH = compat_hash(model="tiny", dtype="float32", block_size=16, tp_size=2)
+
+
+def _handoff(**overrides) -> Handoff:
+    fields = {
+        "transfer_id": "t-1",
+        "producer_engine_id": "prefill-0",
+        "side_channel_host": "10.0.0.1",
+        "side_channel_ports": [20001, 20003],
+        "remote_block_ids": [4, 5, 9],
+        "prompt_len": 40,
+        "block_size": 16,
+        "compat_hash": HASH,
+    }
+    return Handoff(**{**fields, **overrides})
+
+
+def test_handoff_round_trip_through_params():
+    h = _handoff()
+    params = h.to_params()
+    assert params["do_remote_prefill"] is True
+    assert params["version"] == PROTOCOL_VERSION
+    # It travels through the proxy as JSON.
+    assert parse_handoff(json.loads(json.dumps(params))) == h
+
+
+def test_handoff_ignores_fields_it_does_not_know():
+    params = {**_handoff().to_params(), "added_in_a_later_minor": 1}
+    assert parse_handoff(params) == _handoff()
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["transfer_id", "producer_engine_id", "remote_block_ids", "prompt_len", "compat_hash"],
+)
+def test_handoff_missing_field(field):
+    params = _handoff().to_params()
+    del params[field]
+    with pytest.raises(HandoffError, match=field):
+        parse_handoff(params)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("prompt_len", "40"),
+        ("remote_block_ids", [4, "5"]),
+        ("remote_block_ids", 4),
+        ("side_channel_ports", "20001"),
+        ("transfer_id", 7),
+        ("block_size", 16.5),
+        ("do_remote_prefill", "yes"),
+    ],
+)
+def test_handoff_wrong_type(field, value):
+    params = {**_handoff().to_params(), field: value}
+    with pytest.raises(HandoffError, match="malformed kv_transfer_params"):
+        parse_handoff(params)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"version": PROTOCOL_VERSION + 1}, "version"),
+        ({"transfer_id": ""}, "empty transfer_id"),
+        ({"producer_engine_id": ""}, "empty producer_engine_id"),
+        ({"side_channel_ports": []}, "go together"),
+        ({"side_channel_host": ""}, "go together"),
+    ],
+)
+def test_unusable_handoff_is_refused(overrides, match):
+    with pytest.raises(HandoffError, match=match):
+        parse_handoff({**_handoff().to_params(), **overrides})
+
+
+def test_handoff_without_side_channel_is_looked_up_by_engine_id():
+    h = parse_handoff({**_handoff().to_params(), "side_channel_host": "", "side_channel_ports": []})
+    assert h.producer_engine_id == "prefill-0"
+    _validate(h)  # no TP-rank count to compare: the registry has it
+
+
+@pytest.mark.parametrize("params", [None, [], "t-1", {}])
+def test_handoff_that_is_not_an_object(params):
+    with pytest.raises(HandoffError):
+        parse_handoff(params)
+
+
+def _validate(h: Handoff, **overrides) -> None:
+    request = {"prompt_len": 40, "block_size": 16, "compat_hash": HASH, "tp_size": 2}
+    validate_handoff(h, **{**request, **overrides})
+
+
+def test_matching_handoff_validates():
+    _validate(_handoff())
+    _validate(_handoff(prompt_len=48, remote_block_ids=[1, 2, 3]), prompt_len=48)  # full blocks
+    _validate(_handoff(prompt_len=33, remote_block_ids=[1, 2, 3]), prompt_len=33)
+
+
+@pytest.mark.parametrize(
+    ("handoff", "request_overrides", "match"),
+    [
+        (_handoff(compat_hash=compat_hash(model="other")), {}, "compat hash mismatch"),
+        (_handoff(), {"compat_hash": compat_hash(model="other")}, "compat hash mismatch"),
+        (_handoff(), {"prompt_len": 41}, "prompt length 41 differs from the producer's 40"),
+        (_handoff(prompt_len=41), {}, "prompt length 40 differs from the producer's 41"),
+        (_handoff(remote_block_ids=[4, 5]), {}, "2 remote blocks for 40 tokens, expected 3"),
+        (_handoff(remote_block_ids=[4, 5, 9, 10]), {}, "4 remote blocks for 40 tokens"),
+        (_handoff(block_size=32), {}, "block size 16 differs from the producer's 32"),
+        (_handoff(side_channel_ports=[20001]), {}, "producer has 1 TP ranks, consumer 2"),
+    ],
+)
+def test_mismatching_handoff_is_refused(handoff, request_overrides, match):
+    with pytest.raises(HandoffError, match=match):
+        _validate(handoff, **request_overrides)
+
+
+COMPAT_FIELDS = {
+    "model": "tiny",
+    "dtype": "float32",
+    "kv_dtype": "auto",
+    "block_size": 16,
+    "tp_size": 2,
+    "layout": "NHD",
+}
+
+
+def test_compat_hash_is_stable():
+    assert compat_hash(**COMPAT_FIELDS) == compat_hash(**COMPAT_FIELDS)
+    assert compat_hash(**COMPAT_FIELDS) == compat_hash(**dict(reversed(COMPAT_FIELDS.items())))
+    assert len(compat_hash(**COMPAT_FIELDS)) == 64  # sha256 hex
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", "tiny-2"),
+        ("dtype", "bfloat16"),
+        ("kv_dtype", "fp8"),
+        ("block_size", 32),
+        ("block_size", "16"),
+        ("tp_size", 1),
+        ("layout", "HND"),
+        ("extra", None),
+    ],
+)
+def test_compat_hash_changes_with_any_input(field, value):
+    assert compat_hash(**{**COMPAT_FIELDS, field: value}) != compat_hash(**COMPAT_FIELDS)
+
+
+# ---- protocol: side-channel frames ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        Acquire("t-1", [4, 5, 9]),
+        Granted("t-1", "10.0.0.1:20000", [MemSegment(0x1000, 4096, 2048), MemSegment(0, 64, 64)]),
+        Granted("t-1", "10.0.0.1:20000", []),
+        Refused("t-1", "transfer t-1 already expired"),
+        Release("t-1", ok=True),
+        Release("t-1", ok=False),
+        Released("t-1"),
+    ],
+    ids=lambda f: type(f).__name__,
+)
+def test_frame_round_trip(frame):
+    decoded = decode_frame(encode_frame(frame))
+    assert type(decoded) is type(frame)
+    assert decoded == frame
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xc1",  # never used in msgpack
+        b"not msgpack at all",
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode({"transfer_id": "t-1"}),  # no tag
+        msgspec.msgpack.encode({"type": "acquire_v2", "transfer_id": "t-1"}),  # unknown kind
+        msgspec.msgpack.encode({"type": "release/1", "transfer_id": "t-1"}),  # field missing
+        msgspec.msgpack.encode({"type": "release/1", "transfer_id": "t-1", "ok": "yes"}),
+        msgspec.msgpack.encode({"type": "release/2", "transfer_id": "t-1", "ok": True}),  # version
+        encode_frame(Released("t-1"))[:-2],  # truncated
+    ],
+    ids=repr,
+)
+def test_malformed_frame_is_rejected(data):
+    # msgspec.ValidationError is a DecodeError: one except clause covers both.
+    with pytest.raises(msgspec.DecodeError):
+        decode_frame(data)

@@ -1,0 +1,183 @@
+"""The scheduler half in-process, with stub requests and blocks shaped like vLLM's: what it claims,
+which blocks it plans to fill, which handoffs it rejects, and what a finished prefill hands over
+(no vLLM engine, no servers; the producer's side channel binds a loopback port)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.request import RequestStatus
+
+from mooncake_vllm.config import load_settings, resolve
+from mooncake_vllm.lease_service import RankLayout
+from mooncake_vllm.protocol import MemSegment, parse_handoff
+from mooncake_vllm.scheduler import SchedulerHalf
+from mooncake_vllm.step_metadata import MooncakeWorkerMeta
+from mooncake_vllm.testing.servers import free_port
+
+BLOCK = 128
+HASH = "c" * 64
+STEP = SimpleNamespace(total_num_scheduled_tokens=1, finished_req_ids=set())  # a busy step
+
+
+def request(req_id: str, prompt_len: int, params: dict | None, **kw) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id,
+        kv_transfer_params=params,
+        num_prompt_tokens=prompt_len,
+        status=kw.get("status", RequestStatus.WAITING),
+        num_computed_tokens=kw.get("computed", 0),
+    )
+
+
+class Blocks:
+    """vLLM's KVCacheBlocks as the connector reads it: one group; cached blocks carry a hash."""
+
+    def __init__(self, block_ids: list[int], cached: int = 0):
+        self.blocks = (
+            [
+                SimpleNamespace(block_id=b, block_hash=f"h{b}" if i < cached else None)
+                for i, b in enumerate(block_ids)
+            ],
+        )
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
+
+
+def handoff_params(prompt_len: int, transfer_id: str = "t-1", **overrides) -> dict:
+    n = -(-prompt_len // BLOCK)
+    return {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "producer_engine_id": "prefill",
+        "side_channel_host": "127.0.0.1",
+        "side_channel_ports": [16000],
+        "remote_block_ids": list(range(1, n + 1)),
+        "prompt_len": prompt_len,
+        "block_size": BLOCK,
+        "compat_hash": HASH,
+        **overrides,
+    }
+
+
+@pytest.fixture
+def consumer():
+    settings = load_settings({"decode_url": "127.0.0.1:17000"}, env={})
+    half = SchedulerHalf(resolve(settings, "kv_consumer", "decode", 1), BLOCK, HASH)
+    yield half
+    half.shutdown()
+
+
+@pytest.fixture
+def producer():
+    port = free_port("127.0.0.1")
+    settings = load_settings({"prefill_url": f"127.0.0.1:{port}"}, env={})
+    half = SchedulerHalf(resolve(settings, "kv_producer", "prefill", 1), BLOCK, HASH)
+    half.set_layouts({0: RankLayout("127.0.0.1:1", [MemSegment(0, 1000, 1000)], worker_pid=0)})
+    yield half
+    half.shutdown()
+
+
+def plan(half: SchedulerHalf, req, blocks: Blocks, computed: int = 0):
+    """vLLM's call order for one waiting request, then the step's metadata."""
+    count, is_async = half.get_num_new_matched_tokens(req, computed)
+    half.update_state_after_alloc(req, blocks, count)
+    return count, is_async, half.build_connector_meta(STEP).loads
+
+
+def test_a_prompt_without_local_hits_is_claimed_whole_and_every_block_is_pulled(consumer):
+    req = request("r1", 300, handoff_params(300))
+    count, is_async, loads = plan(consumer, req, Blocks([10, 11, 12]))
+    assert (count, is_async) == (300, True)
+    (load,) = loads
+    assert (load.remote_block_ids, load.local_block_ids, load.error) == (
+        [1, 2, 3],
+        [10, 11, 12],
+        None,
+    )
+    # Called again once the load is done: nothing new.
+    assert consumer.get_num_new_matched_tokens(req, 300) == (0, False)
+    consumer.update_state_after_alloc(req, Blocks([10, 11, 12]), 0)
+    assert consumer.build_connector_meta(STEP).loads == []
+
+
+def test_a_partial_local_prefix_hit_pulls_only_the_missing_blocks(consumer):
+    req = request("r1", 300, handoff_params(300))
+    count, _, (load,) = plan(consumer, req, Blocks([10, 11, 12], cached=1), computed=BLOCK)
+    assert count == 300 - BLOCK
+    assert (load.remote_block_ids, load.local_block_ids) == ([2, 3], [11, 12])
+
+
+def test_a_full_local_prefix_hit_pulls_nothing_and_only_releases_the_lease(consumer):
+    req = request("r1", 256, handoff_params(256))
+    count, is_async, (load,) = plan(consumer, req, Blocks([10, 11], cached=2), computed=256)
+    assert (count, is_async) == (0, False)
+    assert (load.local_block_ids, load.error) == ([], None)
+    assert load.handoff.transfer_id == "t-1"  # the worker releases the producer's lease
+
+
+def test_a_replayed_transfer_id_is_rejected_without_touching_the_first_requests_lease(consumer):
+    plan(consumer, request("r1", 300, handoff_params(300)), Blocks([10, 11, 12]))
+    _, _, (load,) = plan(consumer, request("r2", 300, handoff_params(300)), Blocks([20, 21, 22]))
+    assert load.handoff is None
+    assert "duplicate transfer id t-1 (already used by r1)" in load.error
+
+
+def test_a_handoff_from_another_model_is_rejected_but_its_lease_is_released(consumer):
+    params = handoff_params(300, compat_hash="d" * 64)
+    _, is_async, (load,) = plan(consumer, request("r1", 300, params), Blocks([10, 11, 12]))
+    assert is_async  # still claimed: the worker reports it failed and vLLM's policy decides
+    assert "compat hash mismatch" in load.error
+    assert load.handoff is not None
+
+
+def test_a_request_without_a_handoff_is_not_claimed(consumer):
+    assert consumer.get_num_new_matched_tokens(request("r1", 300, None), 0) == (0, False)
+    assert consumer.get_num_new_matched_tokens(request("r2", 300, {"x": 1}), 0) == (0, False)
+
+
+def test_blocks_to_fill_are_pinned_until_the_worker_settles_the_load(consumer):
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=BLOCK)
+    consumer.bind_block_pool(pool)
+    blocks = pool.get_new_blocks(3)
+    ids = [b.block_id for b in blocks]
+    plan(consumer, request("r1", 300, handoff_params(300)), Blocks(ids))
+    assert [b.ref_cnt for b in blocks] == [2, 2, 2]
+    consumer.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=MooncakeWorkerMeta(["r1"]))
+    )
+    assert [b.ref_cnt for b in blocks] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "status", [RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED]
+)
+def test_a_finished_prefill_hands_over_its_prompt_blocks_and_holds_them(producer, status):
+    params = {"do_remote_decode": True, "transfer_id": "t-9"}
+    req = request("p1", 300, params, status=status, computed=300)
+    delay_free, out = producer.request_finished(req, [5, 6, 7, 8])  # 4th: the sampled token's
+    assert delay_free
+    handoff = parse_handoff(out)
+    assert (handoff.transfer_id, handoff.remote_block_ids) == ("t-9", [5, 6, 7])
+    assert (handoff.prompt_len, handoff.block_size, handoff.compat_hash) == (300, BLOCK, HASH)
+    stats = producer.get_stats().data
+    assert (stats["held_leases"], stats["held_bytes"]) == (1, 3 * 1000)
+
+
+@pytest.mark.parametrize(
+    ("status", "computed", "params"),
+    [
+        (RequestStatus.FINISHED_ABORTED, 300, {"do_remote_decode": True}),  # client went away
+        (RequestStatus.FINISHED_STOPPED, 200, {"do_remote_decode": True}),  # prompt incomplete
+        (RequestStatus.FINISHED_STOPPED, 300, None),  # an ordinary request
+    ],
+)
+def test_nothing_is_held_for_an_aborted_incomplete_or_ordinary_request(
+    producer, status, computed, params
+):
+    req = request("p1", 300, params, status=status, computed=computed)
+    assert producer.request_finished(req, [5, 6, 7]) == (False, None)
+    assert producer.get_stats().data["held_leases"] == 0
