@@ -68,8 +68,10 @@ def test_stop_kills_the_whole_process_group(tmp_path):
     child = int(proc.log_tail().split()[0])
     assert not _gone(child)
     proc.stop(grace_s=1)
-    time.sleep(0.2)
-    assert _gone(child)
+    deadline = time.monotonic() + 5  # the kernel reaps the killed child shortly after stop()
+    while not _gone(child):
+        assert time.monotonic() < deadline, f"child {child} outlived stop()"
+        time.sleep(0.05)
 
 
 def test_plain_vllm_greedy_is_deterministic(pd):

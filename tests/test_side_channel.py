@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,17 +61,12 @@ def test_concurrent_acquires_to_one_producer_are_answered_independently(producer
 
 
 def test_an_expiring_lease_is_ended_by_the_server_thread_without_a_request():
-    ended: list = []
-    leases = LeaseTable(
-        ttl_s=0.3, budget_bytes=1 << 30, pull_hold_s=30, on_end=lambda: ended.append(1)
-    )
+    ended = threading.Event()
+    leases = LeaseTable(ttl_s=0.3, budget_bytes=1 << 30, pull_hold_s=30, on_end=ended.set)
     server = SideChannelServer("127.0.0.1", free_port(), leases, layout=lambda: ("x:1", SEGMENTS))
     try:
         leases.add("req-1", "t-1", [1], nbytes=1)
-        deadline = time.monotonic() + 3
-        while not ended:
-            assert time.monotonic() < deadline, "the lease did not expire"
-            time.sleep(0.02)
+        assert ended.wait(3), "the lease did not expire"
         assert leases.take_finished() == {"req-1"}
     finally:
         server.close()
