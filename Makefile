@@ -9,7 +9,7 @@ setup:
 	@bash scripts/setup.sh
 
 model: setup
-	@$(PY) -m mooncake_vllm.testing.tiny_model
+	@$(PY) -m harness.tiny_model
 
 test: setup
 	$(PY) -m pytest -v -ra $(PYTEST_ARGS)
@@ -18,7 +18,7 @@ test-unit: setup
 	$(PY) -m pytest -v -m "not servers" $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m mooncake_vllm.demo
+	$(PY) -m harness.demo
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

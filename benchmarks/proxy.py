@@ -28,7 +28,7 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks import common
-from mooncake_vllm.testing.servers import ManagedProcess, free_port, http_text
+from harness.servers import ManagedProcess, free_port, http_text
 
 TARGETS = ["direct", "direct_2leg", "ours", "toy"]
 BODY = {"model": "bench", "prompt": "hello " * 32, "max_tokens": 4, "temperature": 0}

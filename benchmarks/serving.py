@@ -38,9 +38,9 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks import common
-from mooncake_vllm.testing import servers
-from mooncake_vllm.testing.pd import ServerSpec, kv_args, mooncake_json, sse_events, start_many
-from mooncake_vllm.testing.tiny_model import build_tiny_model
+from harness import servers
+from harness.pd import ServerSpec, kv_args, mooncake_json, sse_events, start_many
+from harness.tiny_model import build_tiny_model
 
 CONFIGS = ["plain", "ours", "builtin"]
 OUTPUT_TOKENS = 32

@@ -65,6 +65,7 @@ class LeaseService:
             for _ in range(cfg.tp_size)
         ]
         self._servers: list[SideChannelServer] = []
+        self._reported_dead = False
         try:
             for rank, table in enumerate(self._tables):
                 self._servers.append(
@@ -94,10 +95,23 @@ class LeaseService:
     def addresses(self) -> list[str]:
         return [srv.address for srv in self._servers]
 
-    def hold(self, req_id: str, transfer_id: str, block_ids: list[int]) -> None:
+    def hold(self, req_id: str, transfer_id: str, block_ids: list[int]) -> bool:
+        """Opens the lease on every rank; False (nothing held) if a side channel is down, since
+        no consumer could pull it."""
+        dead = [srv.address for srv in self._servers if not srv.alive]
+        if dead:
+            if not self._reported_dead:
+                self._reported_dead = True
+                logger.error(
+                    "the side channel thread at %s has ended; finished prefills are no longer "
+                    "handed over (their decodes compute the prompt). Restart this vLLM",
+                    dead,
+                )
+            return False
         for rank, table in enumerate(self._tables):
             nbytes = len(block_ids) * self._layouts[rank].bytes_per_block
             table.add(req_id, transfer_id, block_ids, nbytes)
+        return True
 
     def take_finished(self) -> set[str]:
         """Requests whose lease has ended on every rank: their blocks can be freed."""

@@ -17,6 +17,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -209,8 +210,27 @@ class MetadataBridge:
                 "server, fix metadata_server, or use 'P2PHANDSHAKE' (no metadata server)"
             )
         self.url = first.split(" ", 1)[1].strip()
+        self._closing = False
+        self.death: str | None = None  # why the bridge process is gone, once it is
+        threading.Thread(target=self._watch, name="mooncake-bridge-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Waits (blocking, no polling) for the bridge process; an exit before ``close`` is
+        logged with its cause, and every later store operation fails with it."""
+        code = self._proc.wait()
+        if self._closing:
+            return
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        self.death = (
+            f"the metadata bridge process (pid {self._proc.pid}) for metadata_server "
+            f"{self.target.describe()} ended with {how} (its stderr is in this log above); the "
+            "transfer engine can no longer publish or look up metadata. Restart this vLLM"
+        )
+        logger.error("%s", self.death)
 
     def _request(self, method: str, key: str, data: bytes | None, timeout_s: float):
+        if self.death is not None:
+            raise StoreUnavailable(self.death)
         url = f"{self.url}?{urllib.parse.urlencode({'key': key})}"
         req = urllib.request.Request(url, data=data, method=method)
         try:
@@ -233,6 +253,7 @@ class MetadataBridge:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the bridge; it deletes the keys this engine owned first."""
+        self._closing = True
         if self._proc.poll() is None:
             self._proc.terminate()
             try:

@@ -35,7 +35,16 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     use_vllm_logging()
-    registry = KVConnectorFactory._registry  # no public override API in vLLM 0.32
+    # No public override API in vLLM 0.32: the factory's private name → loader dict.
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if not isinstance(registry, dict):
+        logger.warning(
+            "mooncake_vllm: this vLLM's KVConnectorFactory has no _registry dict, so the name %r "
+            "keeps meaning vLLM's own connector. Select ours explicitly with "
+            '"kv_connector_module_path": "mooncake_vllm.connector" in --kv-transfer-config.',
+            NAME,
+        )
+        return
     builtin = registry.get(NAME)
     if builtin is not None and BUILTIN_ALIAS not in registry:
         registry[BUILTIN_ALIAS] = builtin

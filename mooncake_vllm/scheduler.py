@@ -206,7 +206,8 @@ class SchedulerHalf:
             transfer_id = f"{self._cfg.engine_id}/{request.request_id}"
         prompt_block_ids = list(block_ids[:num_blocks])
         # Held before the handoff leaves this process: an acquire never waits for a step.
-        self._leases.hold(request.request_id, transfer_id, prompt_block_ids)
+        if not self._leases.hold(request.request_id, transfer_id, prompt_block_ids):
+            return False, None
         handoff = Handoff(
             transfer_id=transfer_id,
             producer_engine_id=self._cfg.engine_id,

@@ -132,6 +132,10 @@ class SideChannelServer:
     def _send(self, identity: bytes, frame: Frame) -> None:
         self._sock.send_multipart([identity, encode_frame(frame)])
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_vllm.testing import servers
-from mooncake_vllm.testing.tiny_model import build_tiny_model
+from harness import servers
+from harness.tiny_model import build_tiny_model
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -73,7 +73,7 @@ LOAD_TIMEOUT_S = 10.0
 
 @pytest.fixture(scope="session")
 def cluster(tiny_model, tmp_path_factory):
-    from mooncake_vllm.testing.pd import (
+    from harness.pd import (
         DECODE_HOST,
         PREFILL_HOST,
         ServerSpec,

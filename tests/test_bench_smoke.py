@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks import proxy, serving, transfer
-from mooncake_vllm.testing import servers
+from harness import servers
 
 COMMON_KEYS = {"benchmark", "command", "machine", "versions", "settings", "notes", "rows"}
 

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from mooncake_vllm.testing.pd import (
+from harness.pd import (
     client_session,
     complete,
     two_legs,

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from mooncake_vllm.testing import servers
+from harness import servers
 
 pytestmark = pytest.mark.servers
 

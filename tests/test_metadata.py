@@ -6,15 +6,17 @@ The end-to-end proof with vLLM and the transfer engine is in ``test_metadata_e2e
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import aiohttp
 import pytest
 import redis
 
-from mooncake_vllm.metadata import MetadataTarget, open_store
+from harness import servers
+from mooncake_vllm.metadata import MetadataTarget, StoreUnavailable, open_store
 from mooncake_vllm.metadata_bridge import MetadataBridge, MetadataUnavailable
-from mooncake_vllm.testing import servers
 
 pytestmark = pytest.mark.servers
 
@@ -144,3 +146,21 @@ def test_unreachable_store_fails_at_startup_with_the_fix(kind):
     assert f"metadata_server ({kind} " in message
     assert str(port) in message
     assert "P2PHANDSHAKE" in message
+
+
+def test_a_bridge_that_dies_is_reported_and_later_operations_fail_with_the_cause(caplog):
+    srv = servers.start_redis()
+    bridge = MetadataBridge(_target("redis", srv), ttl_s=3)
+    try:
+        bridge.publish("mine", b"segment")
+        os.kill(bridge._proc.pid, signal.SIGKILL)  # e.g. the OOM killer
+        deadline = time.monotonic() + 10
+        while bridge.death is None:
+            assert time.monotonic() < deadline, "the bridge's death went unnoticed"
+            time.sleep(0.05)
+        assert "ended with signal 9" in caplog.text
+        with pytest.raises(StoreUnavailable, match=r"metadata bridge process .* signal 9"):
+            bridge.lookup("mine")
+    finally:
+        bridge.close()
+        srv.stop()

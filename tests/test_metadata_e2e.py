@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_vllm.metadata import open_store, parse_metadata_server
-from mooncake_vllm.protocol import decode_record, registry_key
-from mooncake_vllm.testing import servers
-from mooncake_vllm.testing.pd import (
+from harness import servers
+from harness.pd import (
     DECODE_HOST,
     PREFILL_HOST,
     ServerSpec,
@@ -28,6 +26,8 @@ from mooncake_vllm.testing.pd import (
     start_many,
     two_legs,
 )
+from mooncake_vllm.metadata import open_store, parse_metadata_server
+from mooncake_vllm.protocol import decode_record, registry_key
 
 pytestmark = pytest.mark.servers
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_vllm.testing import servers
-from mooncake_vllm.testing.pd import ServerSpec, client_session, complete, kv_args, start_many
-from mooncake_vllm.testing.tiny_model import TinyModelSpec, build_tiny_model
+from harness import servers
+from harness.pd import ServerSpec, client_session, complete, kv_args, start_many
+from harness.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.servers
 

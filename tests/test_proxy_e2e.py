@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_vllm.testing import servers
-from mooncake_vllm.testing.pd import client_session, complete
+from harness import servers
+from harness.pd import client_session, complete
 
 pytestmark = pytest.mark.servers
 

@@ -23,8 +23,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from harness.servers import free_port
 from mooncake_vllm.proxy.server import ProxyConfig, serve
-from mooncake_vllm.testing.servers import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HANDOFF = {

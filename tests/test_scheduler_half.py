@@ -10,12 +10,12 @@ import pytest
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.request import RequestStatus
 
+from harness.servers import free_port
 from mooncake_vllm.config import load_settings, resolve
 from mooncake_vllm.lease_service import RankLayout
 from mooncake_vllm.protocol import MemSegment, parse_handoff
 from mooncake_vllm.scheduler import SchedulerHalf
 from mooncake_vllm.step_metadata import MooncakeWorkerMeta
-from mooncake_vllm.testing.servers import free_port
 
 BLOCK = 128
 HASH = "c" * 64
@@ -180,4 +180,15 @@ def test_nothing_is_held_for_an_aborted_incomplete_or_ordinary_request(
 ):
     req = request("p1", 300, params, status=status, computed=computed)
     assert producer.request_finished(req, [5, 6, 7]) == (False, None)
+    assert producer.get_stats().data["held_leases"] == 0
+
+
+def test_with_its_side_channel_down_a_producer_holds_nothing_and_says_why_once(producer, caplog):
+    for server in producer._leases._servers:  # the thread ends (e.g. killed by a fatal error)
+        server.close()
+    params = {"do_remote_decode": True}
+    for i in range(2):
+        req = request(f"p{i}", 300, params, status=RequestStatus.FINISHED_STOPPED, computed=300)
+        assert producer.request_finished(req, [5, 6, 7]) == (False, None)
+    assert caplog.text.count("side channel thread") == 1
     assert producer.get_stats().data["held_leases"] == 0

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from harness.servers import free_port
 from mooncake_vllm.leases import LeaseTable
 from mooncake_vllm.protocol import Acquire, Granted, MemSegment, Refused, Release, Released
 from mooncake_vllm.side_channel import SideChannelClient, SideChannelError, SideChannelServer
-from mooncake_vllm.testing.servers import free_port
 
 SEGMENTS = [MemSegment(0x1000, 4096, 4096)]
 

@@ -1,7 +1,7 @@
 import hashlib
 from pathlib import Path
 
-from mooncake_vllm.testing.tiny_model import TinyModelSpec, build_tiny_model
+from harness.tiny_model import TinyModelSpec, build_tiny_model
 
 
 def _digests(d: Path) -> dict[str, str]:

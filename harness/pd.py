@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from mooncake_vllm.testing.servers import VllmServer, start_vllm
+from harness.servers import VllmServer, start_vllm
 
 PREFILL_HOST, DECODE_HOST = "127.0.0.2", "127.0.0.3"
 

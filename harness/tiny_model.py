@@ -4,7 +4,7 @@ No network: the tokenizer is trained on a text generated from a fixed seed, the 
 from a seeded generator. Two builds with the same parameters are byte-identical, and the result is
 cached under ``~/.cache/mooncake-vllm/models/<name>`` so it is built once per machine.
 
-    python -m mooncake_vllm.testing.tiny_model [OUT_DIR] [--layers 4 --hidden 256 ...]
+    python -m harness.tiny_model [OUT_DIR] [--layers 4 --hidden 256 ...]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The demo: a real prefill/decode pair on CPU, the transfer engine over TCP, the proxy, requests.
 
-    python -m mooncake_vllm.demo            (what ``make demo`` runs)
+    python -m harness.demo            (what ``make demo`` runs)
 
 Builds the tiny local model if needed, starts prefill (127.0.0.2) and decode (127.0.0.3) vLLM
 servers with MooncakeConnector, starts the proxy, sends a few requests (one streamed), prints the
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mooncake_vllm.testing import servers
-from mooncake_vllm.testing.pd import (
+from harness import servers
+from harness.pd import (
     DECODE_HOST,
     PREFILL_HOST,
     ServerSpec,
@@ -31,8 +31,8 @@ from mooncake_vllm.testing.pd import (
     kv_args,
     mooncake_json,
 )
-from mooncake_vllm.testing.pd import start_many as _start_many
-from mooncake_vllm.testing.tiny_model import build_tiny_model
+from harness.pd import start_many as _start_many
+from harness.tiny_model import build_tiny_model
 
 # Log lines that mark how far a vLLM server has come, in order.
 STAGES = [
