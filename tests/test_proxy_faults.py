@@ -23,7 +23,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from mooncake_vllm.proxy.server import ProxyConfig, serve
+from mooncake_vllm.proxy.config import ProxyConfig
+from mooncake_vllm.proxy.server import serve
 from mooncake_vllm.testing.servers import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -33,19 +33,17 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from mooncake_vllm.proxy import rewrite
+from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.routing import Backend, BackendPool, Backoff, NoHealthyBackend
-
-if TYPE_CHECKING:
-    from mooncake_vllm.proxy.server import ProxyConfig
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 
