@@ -31,8 +31,9 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import aiohttp
 from quart import Quart, Response, g, request
@@ -95,6 +96,46 @@ class InFlight:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+# ---- one backend call, with failover ------------------------------------------------------------
+
+# The first backend and at most one other: one failing request adds at most one retry to the
+# client's wait, and a second failure in a row is reported instead of tried further.
+_ATTEMPTS = 2
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What every leg of one client request needs, passed explicitly from the route handler."""
+
+    request_id: str
+    started_s: float  # time.monotonic() at arrival; --timeout-s counts from here
+    path: str  # the client's path, which both legs call on their backend
+    backend_headers: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Attempt(Generic[T]):
+    """A backend call that got an answer; ``in_flight`` is the caller's to release."""
+
+    pool: BackendPool
+    backend: Backend
+    deadline: LegDeadline
+    in_flight: InFlight
+    answer: T
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A backend answer read whole."""
+
+    status: int
+    body: bytes
+    content_type: str
+    took_s: float
 
 
 # ---- the proxy ----------------------------------------------------------------------------------
@@ -251,71 +292,94 @@ class Proxy:
                 raise ProxyError.of(502, last.message, "backend_error") from e
             raise ProxyError.of(503, str(e), "service_unavailable") from e
 
-    # ---- the prefill leg ------------------------------------------------------------------------
+    async def call(
+        self,
+        pool: BackendPool,
+        ctx: RequestContext,
+        send: Callable[[Backend, LegDeadline], Awaitable[T]],
+        *,
+        repeatable: bool,
+    ) -> Attempt[T]:
+        """``send(backend, deadline)`` to a healthy backend of ``pool``, failing over once.
 
-    async def prefill(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], started_s: float
-    ) -> Handoff:
-        """Run the prefill leg; returns the handoff for the decode or raises ProxyError.
-
-        The prefill leg is safe to repeat (it only fills a cache and returns one token), so a
-        connection failure is retried once on another healthy prefill; an HTTP error is not.
-        """
-        pool = self.pools["prefill"]
-        leg_body = rewrite.build_prefill_body(body, path, rewrite.new_transfer_id())
-        backend, status, raw, _, took_s = await self._exchange(
-            pool, started_s, "POST", path, json=leg_body, headers=headers
-        )
-        self.metrics.prefill_seconds.labels(backend.url).observe(took_s)
-        logger.info("%s prefill %s -> %d", g.request_id, backend.url, status)
-        return self._handoff(pool, backend, status, raw)
-
-    async def _exchange(
-        self, pool: BackendPool, started_s: float, method: str, path: str, **request: Any
-    ) -> tuple[Backend, int, bytes, str, float]:
-        """One short request to a healthy backend of ``pool``, read whole.
-
-        Returns the backend, status, body, content type and duration. A connection failure
-        ejects the backend and is retried once on another (safe for the prefill leg and for
-        reads); a timeout gives 504; an HTTP error status is returned for the caller to judge.
+        A connection that was never opened is retried on another backend: that backend never
+        saw the request. One that broke later is retried only when the call is ``repeatable``.
+        A missed deadline is never retried (504): the backend may just be busy. Each failure is
+        counted, and a connection failure ejects the backend.
         """
         tried: list[Backend] = []
         last: BackendFailure | None = None
-        while len(tried) < 2:
+        while len(tried) < _ATTEMPTS:
             backend = self.pick(pool, tried, last)
-            deadline = LegDeadline.of(self.cfg, started_s, prefill=pool.role == "prefill")
-            sent_s = time.monotonic()
+            deadline = LegDeadline.of(self.cfg, ctx.started_s, prefill=pool.role == "prefill")
+            in_flight = InFlight(pool, backend, self.metrics)
             try:
-                with InFlight(pool, backend, self.metrics):
-                    async with self.session.request(
-                        method,
-                        backend.url + path,
-                        timeout=self.timeout(deadline.timeout_s),
-                        **request,
-                    ) as resp:
-                        raw = await resp.read()
-                        content_type = resp.headers.get("Content-Type", "application/json")
-                        return backend, resp.status, raw, content_type, time.monotonic() - sent_s
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                answer = await send(backend, deadline)
+            except BaseException as e:  # a cancelled call gives its in-flight count back too
+                in_flight.release()
                 failure = classify(e, pool.role, backend.url, deadline)
                 if failure is None:
                     raise
                 self.record_failure(pool, backend, failure)
                 if failure.kind is FailureKind.TIMEOUT:
                     raise ProxyError.of(504, failure.message, "timeout") from e
-                logger.warning("%s %s", g.request_id, failure.message)
+                if failure.kind is not FailureKind.CONNECT and not repeatable:
+                    raise ProxyError.of(502, failure.message, "backend_error") from e
+                logger.warning("%s %s", ctx.request_id, failure.message)
                 tried.append(backend)
                 last = failure
+                continue
+            return Attempt(pool, backend, deadline, in_flight, answer)
         assert last is not None
         raise ProxyError.of(502, last.message, "backend_error")
 
-    def _handoff(self, pool: BackendPool, backend: Backend, status: int, raw: bytes) -> Handoff:
-        if not 200 <= status < 300:
-            if status >= 500:
+    async def read_whole(
+        self, pool: BackendPool, ctx: RequestContext, method: str, **request: Any
+    ) -> Attempt[Reply]:
+        """One short, repeatable call to ``ctx.path`` on ``pool``, its answer read whole."""
+
+        async def send(backend: Backend, deadline: LegDeadline) -> Reply:
+            sent_s = time.monotonic()
+            async with self.session.request(
+                method,
+                backend.url + ctx.path,
+                headers=ctx.backend_headers,
+                timeout=self.timeout(deadline.timeout_s),
+                **request,
+            ) as resp:
+                raw = await resp.read()
+                content_type = resp.headers.get("Content-Type", "application/json")
+                return Reply(resp.status, raw, content_type, time.monotonic() - sent_s)
+
+        attempt = await self.call(pool, ctx, send, repeatable=True)
+        attempt.in_flight.release()
+        return attempt
+
+    # ---- the prefill leg ------------------------------------------------------------------------
+
+    async def prefill(self, ctx: RequestContext, body: dict[str, Any]) -> Handoff:
+        """Run the prefill leg; returns the handoff for the decode or raises ProxyError.
+
+        The prefill leg is safe to repeat (it only fills a cache and returns one token), so a
+        connection failure is retried once on another healthy prefill; an HTTP error is not.
+        """
+        leg_body = rewrite.build_prefill_body(body, ctx.path, rewrite.new_transfer_id())
+        attempt = await self.read_whole(self.pools["prefill"], ctx, "POST", json=leg_body)
+        backend, reply = attempt.backend, attempt.answer
+        self.metrics.prefill_seconds.labels(backend.url).observe(reply.took_s)
+        logger.info("%s prefill %s -> %d", ctx.request_id, backend.url, reply.status)
+        return self._handoff(ctx, attempt)
+
+    def _handoff(self, ctx: RequestContext, attempt: Attempt[Reply]) -> Handoff:
+        pool, backend, reply = attempt.pool, attempt.backend, attempt.answer
+        if not 200 <= reply.status < 300:
+            if reply.status >= 500:
                 self.metrics.backend_errors.labels(pool.role, backend.url, "http_5xx").inc()
-            raise ProxyError(status, rewrite.backend_error_body("prefill", status, raw))
+            raise ProxyError(
+                reply.status, rewrite.backend_error_body("prefill", reply.status, reply.body)
+            )
         try:
-            answer = json.loads(raw)
+            answer = json.loads(reply.body)
         except (UnicodeDecodeError, ValueError) as e:
             self.metrics.backend_errors.labels(pool.role, backend.url, "bad_answer").inc()
             raise ProxyError.of(
@@ -327,53 +391,32 @@ class Proxy:
             logger.warning(
                 "%s prefill %s returned no kv_transfer_params (is the KV connector configured "
                 "as producer?); the decode will compute the prompt itself",
-                g.request_id,
+                ctx.request_id,
                 backend.url,
             )
         return Handoff(backend.url, params)
 
     # ---- the decode leg -------------------------------------------------------------------------
 
-    async def open_decode(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], started_s: float
-    ) -> OpenDecode:
+    async def open_decode(self, ctx: RequestContext, body: dict[str, Any]) -> OpenDecode:
         """Send the decode leg and wait for its status line; the caller owns the result.
 
         Only a connection that was never opened is retried on another decode: once the decode
         has the request it may already be pulling the KV, and a transfer id is used once.
         """
-        pool = self.pools["decode"]
-        tried: list[Backend] = []
-        last: BackendFailure | None = None
-        while len(tried) < 2:
-            backend = self.pick(pool, tried, last)
-            deadline = LegDeadline.of(self.cfg, started_s, prefill=False)
-            in_flight = InFlight(pool, backend, self.metrics)
-            try:
-                resp = await self.session.post(
-                    backend.url + path,
-                    json=body,
-                    headers=headers,
-                    timeout=self.timeout(deadline.timeout_s),
-                )
-            except BaseException as e:
-                in_flight.release()
-                failure = classify(e, "decode", backend.url, deadline)
-                if failure is None:
-                    raise
-                self.record_failure(pool, backend, failure)
-                if failure.kind is FailureKind.TIMEOUT:
-                    raise ProxyError.of(504, failure.message, "timeout") from e
-                if failure.kind is not FailureKind.CONNECT:
-                    raise ProxyError.of(502, failure.message, "backend_error") from e
-                logger.warning("%s %s", g.request_id, failure.message)
-                tried.append(backend)
-                last = failure
-                continue
-            logger.info("%s decode %s -> %d", g.request_id, backend.url, resp.status)
-            return OpenDecode(pool, backend, resp, in_flight, deadline)
-        assert last is not None
-        raise ProxyError.of(502, last.message, "backend_error")
+
+        async def send(backend: Backend, deadline: LegDeadline) -> aiohttp.ClientResponse:
+            return await self.session.post(
+                backend.url + ctx.path,
+                json=body,
+                headers=ctx.backend_headers,
+                timeout=self.timeout(deadline.timeout_s),
+            )
+
+        attempt = await self.call(self.pools["decode"], ctx, send, repeatable=False)
+        resp = attempt.answer
+        logger.info("%s decode %s -> %d", ctx.request_id, attempt.backend.url, resp.status)
+        return OpenDecode(attempt.pool, attempt.backend, resp, attempt.in_flight, attempt.deadline)
 
     async def read_decode(self, leg: OpenDecode) -> bytes:
         """The whole body of a decode answer; releases the connection whatever happens."""
@@ -398,11 +441,10 @@ class Proxy:
 
     # ---- one client request ---------------------------------------------------------------------
 
-    async def generate(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-        started_s: float = g.started_s
-        handoff = await self.prefill(path, body, headers, started_s)
+    async def generate(self, ctx: RequestContext, body: dict[str, Any]) -> Response:
+        handoff = await self.prefill(ctx, body)
         decode_body = rewrite.build_decode_body(body, handoff.kv_transfer_params)
-        leg = await self.open_decode(path, decode_body, headers, started_s)
+        leg = await self.open_decode(ctx, decode_body)
         status = leg.response.status
         if not 200 <= status < 300:
             raw = await self.read_decode(leg)
@@ -411,22 +453,22 @@ class Proxy:
             raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
         if not rewrite.wants_stream(body):
             raw = await self.read_decode(leg)
-            self.metrics.first_decode_byte_seconds.observe(time.monotonic() - started_s)
+            self.metrics.first_decode_byte_seconds.observe(time.monotonic() - ctx.started_s)
             content_type = leg.response.headers.get("Content-Type", "application/json")
             return Response(raw, status=status, content_type=content_type)
-        stream = DecodeStream(self, leg, started_s, g.request_id)
+        stream = DecodeStream(self, leg, ctx)
         response = Response(stream, status=status, mimetype="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         return response
 
-    async def models(self, headers: dict[str, str], started_s: float) -> Response:
+    async def models(self, ctx: RequestContext) -> Response:
         """``GET /v1/models`` from a healthy decode (any decode serves the same model)."""
-        _, status, raw, content_type, _ = await self._exchange(
-            self.pools["decode"], started_s, "GET", "/v1/models", headers=headers
-        )
-        if not 200 <= status < 300:
-            raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
-        return Response(raw, status=status, content_type=content_type)
+        reply = (await self.read_whole(self.pools["decode"], ctx, "GET")).answer
+        if not 200 <= reply.status < 300:
+            raise ProxyError(
+                reply.status, rewrite.backend_error_body("decode", reply.status, reply.body)
+            )
+        return Response(reply.body, status=reply.status, content_type=reply.content_type)
 
 
 def _abandon(response: aiohttp.ClientResponse, in_flight: InFlight) -> None:
@@ -443,11 +485,11 @@ class DecodeStream:
     the finalizer still closes the decode connection and releases the in-flight count.
     """
 
-    def __init__(self, proxy: Proxy, leg: OpenDecode, started_s: float, request_id: str) -> None:
+    def __init__(self, proxy: Proxy, leg: OpenDecode, ctx: RequestContext) -> None:
         self._proxy = proxy
         self._leg = leg
-        self._started_s = started_s
-        self._request_id = request_id
+        self._started_s = ctx.started_s
+        self._request_id = ctx.request_id
         self._first_byte_seen = False
         self._at_event_boundary = True
         self._finished = False
@@ -563,13 +605,14 @@ def create_app(cfg: ProxyConfig) -> Quart:
         message = f"internal proxy error: {type(e).__name__}"
         return json_response(rewrite.openai_error(message, "internal_error"), 500)
 
-    def headers_for_backends() -> dict[str, str]:
-        return rewrite.backend_headers(
+    def request_context() -> RequestContext:
+        headers = rewrite.backend_headers(
             request_id=g.request_id,
             client_authorization=request.headers.get("Authorization"),
             forward_client_authorization=cfg.api_key is None,
             env_api_key=proxy.env_api_key,
         )
+        return RequestContext(g.request_id, g.started_s, request.path, headers)
 
     async def generation() -> Response:
         raw = await request.get_data(cache=False)
@@ -578,7 +621,7 @@ def create_app(cfg: ProxyConfig) -> Quart:
             rewrite.validate_body(body, request.path)
         except rewrite.InvalidRequest as e:
             raise ProxyError.of(400, e.message, "invalid_request_error", e.param) from e
-        return await proxy.generate(request.path, body, headers_for_backends())
+        return await proxy.generate(request_context(), body)
 
     app.add_url_rule(rewrite.COMPLETIONS_PATH, "completions", generation, methods=["POST"])
     app.add_url_rule(
@@ -587,7 +630,7 @@ def create_app(cfg: ProxyConfig) -> Quart:
 
     @app.get("/v1/models")
     async def _models() -> Response:
-        return await proxy.models(headers_for_backends(), g.started_s)
+        return await proxy.models(request_context())
 
     @app.get("/health")
     async def _health() -> Response:
