@@ -24,7 +24,8 @@ import pytest
 from aiohttp import web
 
 from harness.servers import free_port
-from mooncake_vllm.proxy.server import ProxyConfig, serve
+from mooncake_vllm.proxy.config import ProxyConfig
+from mooncake_vllm.proxy.server import serve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HANDOFF = {

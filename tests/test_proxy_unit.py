@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mooncake_vllm.proxy import rewrite
+from mooncake_vllm.proxy.config import ProxyConfig, normalize_backend_url
 from mooncake_vllm.proxy.routing import BackendPool, Backoff, NoHealthyBackend, Policy
-from mooncake_vllm.proxy.server import ProxyConfig, build_parser, normalize_backend_url, parse_args
+from mooncake_vllm.proxy.server import build_parser, parse_args
 
 CHAT = rewrite.CHAT_COMPLETIONS_PATH
 COMPLETIONS = rewrite.COMPLETIONS_PATH

@@ -1,5 +1,12 @@
 """The prefill/decode proxy: clients talk to it; it prefills on one vLLM and decodes on another.
 
-``rewrite`` (request bodies) and ``routing`` (backend choice and health) are pure; ``app`` does
-the HTTP; ``server`` holds the configuration and the command line (``mooncake-vllm-proxy``).
+One module per concern; the first three are pure:
+
+- ``rewrite``: request bodies and headers of the two legs; ``routing``: backend choice and health
+  state; ``config``: the validated settings;
+- ``errors``: what a client can get, and what a failed backend call means;
+- ``failover``: the pools, the HTTP session, and the one failover path both legs take;
+- ``legs``: the prefill leg and the decode leg; ``stream``: relaying a streamed decode answer;
+- ``health``: the background prober; ``metrics``: the Prometheus metrics;
+- ``app``: the Quart app and its routes; ``server``: the command line (``mooncake-vllm-proxy``).
 """

@@ -1,7 +1,7 @@
 """Pure request rewriting: validate a client body and build the prefill and decode legs.
 
-Nothing here does I/O; ``app.py`` calls these functions and sends what they return. The contract
-with the connector lives in two functions:
+Nothing here does I/O; ``legs.py`` and ``app.py`` call these functions and send what they
+return. The contract with the connector lives in two functions:
 
 - ``build_prefill_body`` asks the prefill vLLM for one token and tells its connector, through
   ``kv_transfer_params``, to keep the KV blocks for a remote decode under a fresh ``transfer_id``;

@@ -1,4 +1,4 @@
-"""Proxy configuration, command line, and serving with hypercorn.
+"""The proxy's command line and serving it with hypercorn.
 
     mooncake-vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
@@ -13,75 +13,19 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal
-from urllib.parse import urlsplit
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from mooncake_vllm.proxy.app import create_app
+from mooncake_vllm.proxy.config import LogLevel, ProxyConfig
 from mooncake_vllm.proxy.routing import Policy
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 
 # Running requests (including streams) get this long after SIGTERM before they are cut.
 SHUTDOWN_GRACE_S = 5.0
-
-LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-
-
-def normalize_backend_url(url: str) -> str:
-    """``http(s)://HOST[:PORT]`` without a trailing slash; raises ValueError otherwise."""
-    expected = "expected http://HOST:PORT or https://HOST:PORT"
-    try:
-        parts = urlsplit(url.strip())
-        port = parts.port  # raises ValueError for a port that is not a number in range
-    except ValueError as e:
-        raise ValueError(f"{url!r} is not a backend URL ({e}); {expected}") from e
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not a backend URL; {expected}")
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        raise ValueError(
-            f"{url!r} has a path, query or credentials; {expected} (the proxy adds /v1/...)"
-        )
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
-
-
-class ProxyConfig(BaseModel):
-    """Everything the proxy needs; field names match the CLI flags (``--timeout-s``...)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prefill: list[str] = Field(min_length=1)
-    decode: list[str] = Field(min_length=1)
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    policy: Policy = Policy.ROUND_ROBIN
-    api_key: str | None = None
-    timeout_s: float = Field(300.0, gt=0)
-    prefill_timeout_s: float = Field(120.0, gt=0)
-    connect_timeout_s: float = Field(5.0, gt=0)
-    health_interval_s: float = Field(5.0, gt=0)
-    max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
-    log_level: LogLevel = "info"
-
-    @field_validator("prefill", "decode")
-    @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
-        normalized = [normalize_backend_url(u) for u in urls]
-        duplicates = sorted({u for u in normalized if normalized.count(u) > 1})
-        if duplicates:
-            raise ValueError(f"listed more than once: {', '.join(duplicates)}")
-        return normalized
-
-    @field_validator("api_key")
-    @classmethod
-    def _api_key(cls, key: str | None) -> str | None:
-        if key is not None and not key.strip():
-            raise ValueError("must not be empty")
-        return key
 
 
 def build_parser() -> argparse.ArgumentParser:

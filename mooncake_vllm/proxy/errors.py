@@ -1,0 +1,84 @@
+"""What can end a client request, and what a failed backend call means.
+
+``ProxyError`` carries the status and OpenAI-shaped body the client gets. A backend call that
+raises is turned by ``classify`` into a ``BackendFailure`` of one ``FailureKind``; the kind decides
+whether the call may be retried, whether the backend is ejected, and whether the client gets 502
+or 504. ``LegDeadline`` is how long a call may still take, and which flag set that limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from mooncake_vllm.proxy import rewrite
+from mooncake_vllm.proxy.config import ProxyConfig
+
+
+class ProxyError(Exception):
+    """Ends a client request with an OpenAI error body; raised anywhere in a request."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(body.get("error", {}).get("message", str(body)))
+        self.status = status
+        self.body = body
+
+    @classmethod
+    def of(cls, status: int, message: str, error_type: str, param: str | None = None) -> ProxyError:
+        return cls(status, rewrite.openai_error(message, error_type, param))
+
+
+@dataclass(frozen=True)
+class LegDeadline:
+    """How long a backend call may still take, and the configured limit behind it."""
+
+    timeout_s: float  # enforced on the call
+    limit_s: float  # the configured value, named with its flag in a 504
+    flag: str
+
+    @classmethod
+    def of(cls, cfg: ProxyConfig, request_started_s: float, *, prefill: bool) -> LegDeadline:
+        """The tighter of what is left of --timeout-s and, for the prefill, --prefill-timeout-s."""
+        remaining_s = cfg.timeout_s - (time.monotonic() - request_started_s)
+        if remaining_s <= 0:
+            raise ProxyError.of(
+                504, f"request timed out after {cfg.timeout_s:g}s (--timeout-s)", "timeout"
+            )
+        if prefill and cfg.prefill_timeout_s <= remaining_s:
+            return cls(cfg.prefill_timeout_s, cfg.prefill_timeout_s, "--prefill-timeout-s")
+        return cls(remaining_s, cfg.timeout_s, "--timeout-s")
+
+
+class FailureKind(str, enum.Enum):
+    CONNECT = "connect"  # no connection was opened: the backend never saw the request
+    DISCONNECT = "disconnect"  # the connection broke after the request may have been sent
+    TIMEOUT = "timeout"  # our deadline passed; the backend may just be busy
+
+
+@dataclass(frozen=True)
+class BackendFailure:
+    kind: FailureKind
+    message: str
+
+
+def classify(
+    exc: BaseException, leg: str, url: str, deadline: LegDeadline
+) -> BackendFailure | None:
+    """What an exception from a backend call means, or None when it is not a backend failure."""
+    # ConnectionTimeoutError is also an asyncio.TimeoutError: test it first.
+    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+        return BackendFailure(FailureKind.CONNECT, f"cannot connect to {leg} backend {url}: {exc}")
+    if isinstance(exc, asyncio.TimeoutError):
+        message = f"{leg} backend {url} timed out after {deadline.limit_s:g}s ({deadline.flag})"
+        return BackendFailure(FailureKind.TIMEOUT, message)
+    if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+        detail = str(exc) or type(exc).__name__
+        return BackendFailure(
+            FailureKind.DISCONNECT, f"{leg} backend {url} dropped the connection: {detail}"
+        )
+    return None

@@ -1,0 +1,222 @@
+"""Calling a backend: the pools, the HTTP session, and the one failover path both legs take.
+
+``Backends.call`` is what happens when a backend fails: it picks a healthy backend of the pool,
+gives the call the leg's deadline, counts it in flight, classifies an exception (``errors``), and
+retries once on another backend when that backend cannot have acted on the request, or when
+the call is safe to repeat. The prefill leg, ``GET /v1/models`` (``Backends.read_whole``) and the
+decode leg up to its status line all go through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import aiohttp
+
+from mooncake_vllm.proxy.config import ProxyConfig
+from mooncake_vllm.proxy.errors import (
+    BackendFailure,
+    FailureKind,
+    LegDeadline,
+    ProxyError,
+    classify,
+)
+from mooncake_vllm.proxy.metrics import ProxyMetrics
+from mooncake_vllm.proxy.routing import Backend, BackendPool, Backoff, NoHealthyBackend
+
+logger = logging.getLogger("mooncake_vllm.proxy")
+
+# vLLM's uvicorn closes idle keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+# Dropping ours first avoids sending a request on a connection the server is closing, which
+# would look like a dead backend.
+_KEEPALIVE_S = 4.0
+# Connections per backend; more requests than this wait for a free one.
+_CONNECTIONS_PER_BACKEND = 1000
+# The first backend and at most one other (the failure table in app.py): a client waits for at
+# most two failing backends before it gets the error.
+_ATTEMPTS = 2
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What every leg of one client request needs, passed explicitly from the route handler."""
+
+    request_id: str
+    started_s: float  # time.monotonic() at arrival; --timeout-s counts from here
+    path: str  # the client's path, which both legs call on their backend
+    backend_headers: Mapping[str, str]
+
+
+class InFlight:
+    """One request outstanding on a backend; ``release()`` is idempotent: call it on any path."""
+
+    def __init__(self, pool: BackendPool, backend: Backend, metrics: ProxyMetrics) -> None:
+        self._pool = pool
+        self._backend = backend
+        self._gauge = metrics.in_flight.labels(pool.role, backend.url)
+        self._released = False
+        pool.begin(backend)
+        self._gauge.set(backend.in_flight)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._pool.end(self._backend)
+        self._gauge.set(self._backend.in_flight)
+
+
+@dataclass(frozen=True)
+class Attempt(Generic[T]):
+    """A backend call that got an answer; ``in_flight`` is the caller's to release."""
+
+    pool: BackendPool
+    backend: Backend
+    deadline: LegDeadline
+    in_flight: InFlight
+    answer: T
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A backend answer read whole."""
+
+    status: int
+    body: bytes
+    content_type: str
+    took_s: float
+
+
+class Backends:
+    """The prefill and decode pools of one app, the HTTP session to them, and their metrics."""
+
+    def __init__(self, cfg: ProxyConfig, metrics: ProxyMetrics) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        backoff = Backoff(initial_s=1.0, max_s=30.0)
+        self.pools = {
+            role: BackendPool(
+                role, urls, cfg.policy, backoff=backoff, probe_interval_s=cfg.health_interval_s
+            )
+            for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode))
+        }
+        for role, pool in self.pools.items():
+            metrics.declare_backends(role, [b.url for b in pool.backends])
+        self._session: aiohttp.ClientSession | None = None
+
+    # ---- the session (before_serving / after_serving) -------------------------------------------
+
+    async def open(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=_CONNECTIONS_PER_BACKEND, keepalive_timeout=_KEEPALIVE_S
+        )
+        self._session = aiohttp.ClientSession(connector=connector)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the proxy is not serving (before_serving has not run)")
+        return self._session
+
+    def timeout(self, total_s: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total_s, sock_connect=self.cfg.connect_timeout_s)
+
+    # ---- what a failure does to a backend -------------------------------------------------------
+
+    def report_ejection(self, pool: BackendPool, backend: Backend, reason: str) -> None:
+        """Count and log a backend that was just taken out of rotation."""
+        self.metrics.ejections.labels(pool.role, backend.url).inc()
+        logger.warning("%s backend %s ejected: %s", pool.role, backend.url, reason)
+
+    def record_failure(self, pool: BackendPool, backend: Backend, failure: BackendFailure) -> None:
+        """Count a failed call; a connection failure also ejects the backend, a late answer not."""
+        self.metrics.backend_errors.labels(pool.role, backend.url, failure.kind.value).inc()
+        if failure.kind is not FailureKind.TIMEOUT and pool.eject(backend, failure.message):
+            self.report_ejection(pool, backend, failure.message)
+
+    # ---- one call, with failover ----------------------------------------------------------------
+
+    async def call(
+        self,
+        role: str,
+        ctx: RequestContext,
+        send: Callable[[Backend, LegDeadline], Awaitable[T]],
+        *,
+        repeatable: bool,
+    ) -> Attempt[T]:
+        """``send(backend, deadline)`` to a healthy backend of the ``role`` pool, failing over once.
+
+        A connection that was never opened is retried on another backend: that backend never
+        saw the request. One that broke later is retried only when the call is ``repeatable``.
+        A missed deadline is never retried (504): the backend may just be busy. Each failure is
+        counted, and a connection failure ejects the backend. Raises ProxyError: 502 when the
+        backends failed, 503 when the pool had no healthy backend to begin with.
+        """
+        pool = self.pools[role]
+        tried: list[Backend] = []
+        last: BackendFailure | None = None
+        while len(tried) < _ATTEMPTS:
+            backend = _pick(pool, tried, last)
+            deadline = LegDeadline.of(self.cfg, ctx.started_s, prefill=pool.role == "prefill")
+            in_flight = InFlight(pool, backend, self.metrics)
+            try:
+                answer = await send(backend, deadline)
+            except BaseException as e:  # a cancelled call gives its in-flight count back too
+                in_flight.release()
+                failure = classify(e, pool.role, backend.url, deadline)
+                if failure is None:
+                    raise
+                self.record_failure(pool, backend, failure)
+                if failure.kind is FailureKind.TIMEOUT:
+                    raise ProxyError.of(504, failure.message, "timeout") from e
+                if failure.kind is not FailureKind.CONNECT and not repeatable:
+                    raise ProxyError.of(502, failure.message, "backend_error") from e
+                logger.warning("%s %s", ctx.request_id, failure.message)
+                tried.append(backend)
+                last = failure
+                continue
+            return Attempt(pool, backend, deadline, in_flight, answer)
+        assert last is not None
+        raise ProxyError.of(502, last.message, "backend_error")
+
+    async def read_whole(
+        self, role: str, ctx: RequestContext, method: str, **request: Any
+    ) -> Attempt[Reply]:
+        """One short, repeatable call to ``ctx.path`` on the ``role`` pool, read whole."""
+
+        async def send(backend: Backend, deadline: LegDeadline) -> Reply:
+            sent_s = time.monotonic()
+            async with self.session.request(
+                method,
+                backend.url + ctx.path,
+                headers=ctx.backend_headers,
+                timeout=self.timeout(deadline.timeout_s),
+                **request,
+            ) as resp:
+                raw = await resp.read()
+                content_type = resp.headers.get("Content-Type", "application/json")
+                return Reply(resp.status, raw, content_type, time.monotonic() - sent_s)
+
+        attempt = await self.call(role, ctx, send, repeatable=True)
+        attempt.in_flight.release()  # the answer is read: the backend is done with it
+        return attempt
+
+
+def _pick(pool: BackendPool, tried: list[Backend], last: BackendFailure | None) -> Backend:
+    try:
+        return pool.pick(exclude=tried)
+    except NoHealthyBackend as e:
+        if last is not None:  # the pool ran out while failing over: report the real cause
+            raise ProxyError.of(502, last.message, "backend_error") from e
+        raise ProxyError.of(503, str(e), "service_unavailable") from e

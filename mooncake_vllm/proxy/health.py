@@ -1,0 +1,103 @@
+"""The background health prober and the ``/health`` report.
+
+``routing.BackendPool`` decides what a probe's outcome means (eject, back off, bring back); this
+module only sends the probes, on the schedule the pools give, and reports what changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+
+from mooncake_vllm.proxy.failover import Backends
+from mooncake_vllm.proxy.routing import Backend, BackendPool
+
+logger = logging.getLogger("mooncake_vllm.proxy")
+
+# Longest sleep of the prober; a shorter one when a probe is due sooner.
+_PROBER_MAX_SLEEP_S = 1.0
+
+
+def healthy(backends: Backends) -> bool:
+    """True when every pool has a backend in rotation."""
+    return all(pool.any_healthy() for pool in backends.pools.values())
+
+
+def health_report(backends: Backends) -> dict[str, Any]:
+    report: dict[str, Any] = {"status": "ok" if healthy(backends) else "unavailable"}
+    for role, pool in backends.pools.items():
+        report[role] = pool.snapshot()
+    return report
+
+
+class HealthProber:
+    """Probes every backend with ``GET /health`` while the app serves; owns its task."""
+
+    def __init__(self, backends: Backends) -> None:
+        self._backends = backends
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.probe_forever(), name="proxy-health-prober")
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            logger.exception("health prober had failed")
+        self._task = None
+
+    async def probe_forever(self) -> None:
+        """Probe due backends, sleep until the next is due; runs until cancelled."""
+        pools = self._backends.pools.values()
+        while True:
+            try:
+                due = [(pool, b) for pool in pools for b in pool.due_for_probe()]
+                results = await asyncio.gather(
+                    *(self.probe(pool, b) for pool, b in due), return_exceptions=True
+                )
+                for (pool, backend), result in zip(due, results, strict=True):
+                    if isinstance(result, Exception):
+                        # Count it as a failed probe so the backend backs off instead of being
+                        # probed again at once.
+                        logger.error("probe of %s crashed", backend.url, exc_info=result)
+                        pool.probe_failed(backend, f"probe crashed: {result!r}")
+                sleep_s = min(p.seconds_until_next_probe() for p in pools)
+            except Exception:
+                logger.exception("health probe round failed")
+                sleep_s = _PROBER_MAX_SLEEP_S
+            await asyncio.sleep(min(max(sleep_s, 0.01), _PROBER_MAX_SLEEP_S))
+
+    async def probe(self, pool: BackendPool, backend: Backend) -> None:
+        """One ``GET /health``: 200 means healthy, anything else (or no answer) means not."""
+        timeout_s = self._backends.cfg.connect_timeout_s
+        try:
+            async with self._backends.session.get(
+                backend.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                status = resp.status
+        except asyncio.TimeoutError:
+            reason = f"health probe got no answer in {timeout_s:g}s"
+            ejected = pool.probe_timed_out(backend, reason)  # a busy backend answers late
+        except aiohttp.ClientError as e:
+            reason = f"health probe failed: {str(e) or type(e).__name__}"
+            ejected = pool.probe_failed(backend, reason)
+        else:
+            if status == 200:
+                if pool.probe_ok(backend):
+                    logger.info("%s backend %s is healthy again", pool.role, backend.url)
+                return
+            reason = f"health probe answered HTTP {status}"
+            ejected = pool.probe_failed(backend, reason)
+        if ejected:
+            self._backends.report_ejection(pool, backend, reason)
+        else:
+            logger.info("%s backend %s: %s", pool.role, backend.url, reason)
