@@ -25,6 +25,7 @@ class GatedEngine:
 
     def __init__(self):
         self.done = threading.Event()
+        self.fail = False  # KV reads end failed (-1), as when the producer dropped the connection
         self.next_bid = 1
         self.submitted: list[int] = []
         self._src: dict[int, int] = {}
@@ -36,8 +37,11 @@ class GatedEngine:
         return bid
 
     def transfer_check_status(self, bid):
-        gated = self._src[bid] != REMOTE.base_addr
-        return 0 if gated and not self.done.is_set() else 1
+        if self._src[bid] == REMOTE.base_addr:
+            return 1
+        if self.fail:
+            return -1
+        return 1 if self.done.is_set() else 0
 
     def register_memory(self, addr, length, location):
         return 0
@@ -142,6 +146,17 @@ def test_a_pull_past_its_deadline_is_failed_at_once_and_settled_only_when_its_en
     assert (recving, failed, settled) == (set(), set(), ["req-1"])  # not reported a second time
     assert worker.get_stats().data["pull_failures"] == 1
     worker.shutdown()
+
+
+def test_failed_reads_fail_the_pull_and_settle_it_and_the_lease_is_released_as_failed(engine):
+    engine.fail = True
+    channel = FakeSideChannel()
+    worker = make_worker(engine, channel, load_timeout_s=5.0)
+    worker.start_load_kv(load())
+    recving, failed, settled = collect_until(worker, lambda r, f, s: s)
+    assert (recving, failed, settled) == ({"req-1"}, {"req-1"}, ["req-1"])
+    worker.shutdown()
+    assert isinstance(channel.frames[-1], Release) and not channel.frames[-1].ok
 
 
 def test_a_refused_acquire_is_a_failure_and_settles_at_once(engine):
