@@ -19,6 +19,7 @@ import msgspec
 import zmq
 
 from mooncake_vllm.leases import Lease, LeaseTable
+from mooncake_vllm.os_threads import name_this_thread
 from mooncake_vllm.protocol import (
     Acquire,
     Frame,
@@ -84,6 +85,7 @@ class SideChannelServer:
         return max(1, int(1000 * (until - now)) + 1)
 
     def _run(self) -> None:
+        name_this_thread("mc-sidechannel")
         errors, logged_at = 0, -math.inf  # consecutive errors; when the last was logged
         while not self._stop.is_set():
             try:

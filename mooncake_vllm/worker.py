@@ -39,6 +39,7 @@ from mooncake_vllm.engine import TransferEngine
 from mooncake_vllm.local_channels import WakeSender, claim, wake_endpoint
 from mooncake_vllm.metadata import P2P_HANDSHAKE
 from mooncake_vllm.metadata_bridge import MetadataBridge
+from mooncake_vllm.os_threads import name_this_thread
 from mooncake_vllm.planning import plan_regions, tensor_segments
 from mooncake_vllm.protocol import (
     Acquire,
@@ -137,7 +138,12 @@ class WorkerHalf:
         self._releases: ThreadPoolExecutor | None = None
         if cfg.is_consumer:
             self._client = SideChannelClient()
-            self._pool = ThreadPoolExecutor(_PULL_THREADS, thread_name_prefix="mooncake-pull")
+            self._pool = ThreadPoolExecutor(
+                _PULL_THREADS,
+                thread_name_prefix="mooncake-pull",
+                initializer=name_this_thread,
+                initargs=("mc-pull",),
+            )
             # Releases go out beside the pulls: a producer that does not answer must not delay
             # the outcome vLLM waits for (its lease TTL frees the blocks anyway).
             self._releases = ThreadPoolExecutor(1, thread_name_prefix="mooncake-release")
