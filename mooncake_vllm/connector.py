@@ -157,6 +157,12 @@ class MooncakeConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         self._scheduler.update_connector_output(connector_output)
 
+    def has_pending_push_work(self) -> bool:
+        # vLLM's only hook that keeps its loop stepping without requests (named for push
+        # connectors); ours: destination blocks still pinned under a pull that outlived its
+        # request.
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         layouts = {
             rank: RankLayout(m.te_segment, list(m.segments), m.worker_pid)

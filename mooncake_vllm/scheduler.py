@@ -155,6 +155,11 @@ class SchedulerHalf:
         if self._cfg.is_consumer:
             self._pins = BlockPins(pool, self._cfg.tp_size)
 
+    def has_pending_work(self) -> bool:
+        """Loads still pinned: vLLM must keep stepping (resting in between) until the workers
+        report them settled, even when no request is left."""
+        return bool(self._pins)
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if self._pins is not None and isinstance(meta, MooncakeWorkerMeta):

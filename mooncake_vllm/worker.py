@@ -233,7 +233,7 @@ class WorkerHalf:
             assert self._pool is not None, "loads are only planned on a consumer"
             deadline = time.monotonic() + self._cfg.settings.load_timeout_s
             job = _PullJob(load.req_id, deadline, awaited=bool(load.local_block_ids))
-            job.future = self._pool.submit(self._run_pull, load, job)
+            job.future = self._pool.submit(self._pull, load, job)
             self._pulls[load.req_id] = job
             # Wakes the scheduler to report the pull failed if it is not done by then.
             timer = threading.Timer(
@@ -242,12 +242,9 @@ class WorkerHalf:
             timer.daemon = True
             timer.start()
             job.future.add_done_callback(lambda _, t=timer: t.cancel())
-
-    def _run_pull(self, load: LoadSpec, job: _PullJob) -> PullOutcome:
-        try:
-            return self._pull(load, job)
-        finally:
-            self._wake_scheduler()
+            # Once the future is done, not from inside the pull: a scheduler woken earlier would
+            # step, find the pull not done yet, and rest with nobody left to wake it.
+            job.future.add_done_callback(lambda _: self._wake_scheduler())
 
     def _collect_pulls(self) -> list[PullOutcome]:
         """Outcomes vLLM waits for: of pulls that ended, and failures of pulls past their

@@ -146,10 +146,12 @@ def test_blocks_to_fill_are_pinned_until_the_worker_settles_the_load(consumer):
     ids = [b.block_id for b in blocks]
     plan(consumer, request("r1", 300, handoff_params(300)), Blocks(ids))
     assert [b.ref_cnt for b in blocks] == [2, 2, 2]
+    assert consumer.has_pending_work()  # vLLM keeps stepping even once the request is gone
     consumer.update_connector_output(
         SimpleNamespace(kv_connector_worker_meta=MooncakeWorkerMeta(["r1"]))
     )
     assert [b.ref_cnt for b in blocks] == [1, 1, 1]
+    assert not consumer.has_pending_work()
 
 
 @pytest.mark.parametrize(

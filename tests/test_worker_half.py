@@ -114,12 +114,28 @@ def engine():
     return GatedEngine()
 
 
+class WakeRecorder:
+    """Stands in for the scheduler's wake-up channel: notes whether the pulls were done then."""
+
+    def __init__(self, worker: WorkerHalf):
+        self.worker, self.seen = worker, []
+
+    def wake(self):
+        self.seen.append(all(job.future.done() for job in list(self.worker._pulls.values())))
+
+    def close(self):
+        pass
+
+
 def test_a_pull_that_ends_is_reported_once_and_settled(engine):
     engine.done.set()
     channel = FakeSideChannel()
     worker = make_worker(engine, channel)
+    worker._wake = wake = WakeRecorder(worker)
     worker.start_load_kv(load())
     recving, failed, settled = collect_until(worker, lambda r, f, s: s)
+    # The scheduler is woken only once the outcome can be collected (else it could rest on).
+    assert wake.seen == [True]
     assert (recving, failed, settled) == ({"req-1"}, set(), ["req-1"])
     # The first contact's warm-up, then both blocks in one entry (adjacent on both sides).
     assert engine.submitted == [REMOTE.base_addr, REMOTE.base_addr + BLOCK]
