@@ -19,7 +19,7 @@ import msgspec
 import zmq
 
 from mooncake_vllm.leases import Lease, LeaseTable
-from mooncake_vllm.os_threads import name_this_thread
+from mooncake_vllm.os_threads import name_this_thread, raise_priority
 from mooncake_vllm.protocol import (
     Acquire,
     Frame,
@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 # A failing server loop logs at most this often (with the count), pausing between attempts.
 _ERROR_LOG_INTERVAL_S = 60.0
 _ERROR_PAUSE_S = 0.1
+# Measured (perf sched, 1900-token prompts at c=4 on 2 cores): at nice 0 the server thread waited
+# 11.7 ms on average and up to 168 ms for a CPU after each wake-up.
+_SIDE_CHANNEL_NICE = -10
 
 
 class SideChannelError(RuntimeError):
@@ -86,6 +89,7 @@ class SideChannelServer:
 
     def _run(self) -> None:
         name_this_thread("mc-sidechannel")
+        raise_priority(_SIDE_CHANNEL_NICE)
         errors, logged_at = 0, -math.inf  # consecutive errors; when the last was logged
         while not self._stop.is_set():
             try:
