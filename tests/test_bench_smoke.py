@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks import proxy, serving, transfer
+from benchmarks import proxy, serving, soak, transfer
 from harness import servers
 
 COMMON_KEYS = {"benchmark", "command", "machine", "versions", "settings", "notes", "rows"}
@@ -75,3 +75,13 @@ def test_serving_benchmark_on_the_shared_cluster(pd, tmp_path, capsys):
     assert {r["config"] for r in doc["rows"]} == {"plain", "ours"}
     ours = next(r for r in doc["rows"] if r["config"] == "ours")
     assert ours["kv_ms/req"] == ours["kv_ms/req"]  # not NaN: the decode pulled the prompt
+
+
+@pytest.mark.servers
+def test_soak_benchmark_runs_its_own_pair_and_counts_every_pull(tmp_path, capsys):
+    rc = soak.main(["--out-dir", str(tmp_path), "--requests", "12", "--wave", "6", "--gap-s", "1"])
+    doc = _check_outputs(tmp_path, "soak", capsys, {"requests", "failed", "pull_failures"})
+    row = doc["rows"][0]
+    assert rc == 0, row
+    assert (row["requests"], row["failed"], row["pulls"], row["pull_failures"]) == (12, 0, 12, 0)
+    assert row["ext_share"] >= 0.95
