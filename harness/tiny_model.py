@@ -1,10 +1,13 @@
-"""A small random-weight Llama with a locally trained byte-level BPE tokenizer.
+"""Small random-weight models with a locally trained byte-level BPE tokenizer.
 
-No network: the tokenizer is trained on a text generated from a fixed seed, the weights are drawn
-from a seeded generator. Two builds with the same parameters are byte-identical, and the result is
-cached under ``~/.cache/mooncake-vllm/models/<name>`` so it is built once per machine.
+Two kinds: a Llama (``TinyModelSpec``, K and V per head) and a DeepSeek-V2-style model with
+multi-head latent attention (``TinyMLASpec``, one compressed latent per token). No network: the
+tokenizer is trained on a text generated from a fixed seed, the weights are drawn from a seeded
+generator. Two builds with the same parameters are byte-identical, and the result is cached under
+``~/.cache/mooncake-vllm/models/<name>`` so it is built once per machine.
 
     python -m harness.tiny_model [OUT_DIR] [--layers 4 --hidden 256 ...]
+    python -m harness.tiny_model --mla [OUT_DIR] [--layers 2 --kv-lora-rank 512 ...]
 """
 
 from __future__ import annotations
@@ -55,12 +58,108 @@ class TinyModelSpec:
 
     @property
     def name(self) -> str:
-        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
-        return f"tiny-llama-l{self.layers}-h{self.hidden}-{digest[:10]}"
+        return f"tiny-llama-l{self.layers}-h{self.hidden}-{_digest(self)}"
 
     @property
     def kv_bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * 4  # K and V, float32
+
+    def _hf_model(self, vocab_size: int, bos_token_id: int, eos_token_id: int):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_len,
+            initializer_range=self.init_std,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=False,
+            torch_dtype="float32",
+        )
+        return LlamaForCausalLM(config)
+
+
+@dataclass(frozen=True)
+class TinyMLASpec:
+    """A DeepSeek-V2-style model vLLM serves with MLA: its KV cache holds, per layer and token, one
+    latent of ``kv_lora_rank + qk_rope_head_dim`` values shared by all heads.
+
+    The defaults are what vLLM's CPU MLA kernels accept (a 512 + 64 = 576-wide latent; the decode
+    kernel compiles for no other). Every layer has a dense MLP: the CPU MoE path wants grouped
+    top-k router settings a tiny model has no use for.
+    """
+
+    layers: int = 2
+    hidden: int = 256
+    heads: int = 4
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    intermediate: int = 512
+    vocab: int = 2048
+    max_len: int = 4096
+    init_std: float = 0.1  # as the Llama's: clear greedy winners
+    seed: int = 1234
+
+    @property
+    def name(self) -> str:
+        return f"tiny-dsv2-mla-l{self.layers}-h{self.hidden}-{_digest(self)}"
+
+    @property
+    def latent_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * self.latent_width * 4  # one latent, no separate V; float32
+
+    def _hf_model(self, vocab_size: int, bos_token_id: int, eos_token_id: int):
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.heads,
+            q_lora_rank=None,  # a plain q_proj: one projection fewer to get right
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            v_head_dim=self.v_head_dim,
+            # No layer reaches first_k_dense_replace, so every MLP is dense (vLLM reads the same
+            # key). The expert fields are unused, but transformers' config requires an int
+            # expert count; the router fields are set to valid values all the same.
+            first_k_dense_replace=self.layers,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=self.intermediate,
+            max_position_embeddings=self.max_len,
+            initializer_range=self.init_std,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=False,
+            torch_dtype="float32",
+        )
+        return DeepseekV2ForCausalLM(config)
+
+
+TinySpec = TinyModelSpec | TinyMLASpec
+
+
+def _digest(spec: TinySpec) -> str:
+    return hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:10]
 
 
 def _corpus(seed: int, n_words: int = 60_000) -> list[str]:
@@ -79,11 +178,11 @@ def _corpus(seed: int, n_words: int = 60_000) -> list[str]:
     return lines
 
 
-def _write(spec: TinyModelSpec, out: Path) -> None:
+def _write(spec: TinySpec, out: Path) -> None:
     # Imported here: the CLI's --help and the cache check need none of these heavy modules.
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic BPE merges
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -106,29 +205,16 @@ def _write(spec: TinyModelSpec, out: Path) -> None:
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(out)
 
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_len,
-        initializer_range=spec.init_std,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = spec._hf_model(tok.get_vocab_size(), fast.bos_token_id, fast.eos_token_id)
+    model = model.to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
 
 
-def build_tiny_model(out_dir: Path | str | None = None, spec: TinyModelSpec | None = None) -> Path:
-    """Return a directory holding the model, building it first if it is not there yet."""
+def build_tiny_model(out_dir: Path | str | None = None, spec: TinySpec | None = None) -> Path:
+    """Return a directory holding the model (the Llama unless ``spec`` says otherwise), building
+    it first if it is not there yet."""
     spec = spec or TinyModelSpec()
     out = Path(out_dir) if out_dir else CACHE_ROOT / "models" / spec.name
     if (out / _COMPLETE_MARKER).exists():
@@ -150,14 +236,20 @@ def build_tiny_model(out_dir: Path | str | None = None, spec: TinyModelSpec | No
 
 
 def main(argv: list[str] | None = None) -> None:
-    defaults = TinyModelSpec()
+    # --mla picks the spec first: the two specs' options share names but not defaults.
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--mla", action="store_true")
+    known, _ = pick.parse_known_args(argv)
+    spec_cls = TinyMLASpec if known.mla else TinyModelSpec
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("out_dir", nargs="?", help="where to write (default: the per-user cache)")
-    for field, value in asdict(defaults).items():
+    p.add_argument("--mla", action="store_true", help="the DeepSeek-V2-style MLA model")
+    for field, value in asdict(spec_cls()).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
     args = vars(p.parse_args(argv))
     out_dir = args.pop("out_dir")
-    print(build_tiny_model(out_dir, TinyModelSpec(**args)))
+    args.pop("mla")
+    print(build_tiny_model(out_dir, spec_cls(**args)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Pure block → memory-region math for a pull.
 
 A KV cache tensor is seen as one or more *segments*: runs of equally sized blocks at a fixed stride
-(e.g. a ``(2, num_blocks, ...)`` layer tensor gives a K segment and a V segment). A pull copies, for
+(e.g. a ``(2, num_blocks, ...)`` layer tensor gives a K segment and a V segment; a block-first view
+such as an MLA layer's ``(num_blocks, 1, block_size, latent)`` gives one). Only the tensors' own
+shapes and strides are read, so any layout vLLM allocates is planned as it is. A pull copies, for
 every segment, remote block ``r[i]`` to local block ``l[i]``; consecutive copies that are contiguous
 on both sides are merged, and the result is cut into batches the transfer engine accepts.
 """

@@ -67,7 +67,8 @@ def validate_handoff(
     if h.compat_hash != compat_hash:
         raise HandoffError(
             f"compat hash mismatch: producer {h.compat_hash[:12]}, consumer {compat_hash[:12]} "
-            "(different model, dtype, KV dtype, block size, layout or TP size)"
+            "(different model, dtype, KV dtype, block size, TP size or KV layout: MLA latent "
+            "vs per-head K/V, or another MLA latent width)"
         )
     if h.prompt_len != prompt_len:
         raise HandoffError(f"prompt length {prompt_len} differs from the producer's {h.prompt_len}")

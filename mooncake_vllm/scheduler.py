@@ -69,11 +69,22 @@ def engine_compat_hash(vllm_config: VllmConfig) -> str:
     from vllm.platforms import current_platform
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    use_mla = bool(mc.use_mla)
+    mla_latent = None
+    if use_mla:
+        # An MLA layer caches one latent per token, [kv_lora_rank | qk_rope_head_dim] values,
+        # instead of K and V per head. Named here, not left to head_size and kv_heads to imply:
+        # a per-head K/V block and a latent block, or latents of another width or split, must
+        # never validate against each other.
+        hf = mc.hf_text_config
+        mla_latent = [hf.kv_lora_rank, hf.qk_rope_head_dim]
     return compat_hash(
         architectures=getattr(mc.hf_config, "architectures", None),
         layers=mc.get_num_layers(pc),
         kv_heads=mc.get_num_kv_heads(pc),
         head_size=mc.get_head_size(),
+        use_mla=use_mla,
+        mla_latent=mla_latent,
         dtype=str(mc.dtype),
         kv_dtype=cc.cache_dtype,
         block_size=cc.block_size,

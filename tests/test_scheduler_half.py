@@ -14,7 +14,7 @@ from harness.servers import free_port
 from mooncake_vllm.config import load_settings, resolve
 from mooncake_vllm.lease_service import RankLayout
 from mooncake_vllm.protocol import MemSegment, parse_handoff
-from mooncake_vllm.scheduler import SchedulerHalf
+from mooncake_vllm.scheduler import SchedulerHalf, engine_compat_hash
 from mooncake_vllm.step_metadata import MooncakeWorkerMeta
 
 BLOCK = 128
@@ -194,3 +194,83 @@ def test_with_its_side_channel_down_a_producer_holds_nothing_and_says_why_once(p
         assert producer.request_finished(req, [5, 6, 7]) == (False, None)
     assert caplog.text.count("side channel thread") == 1
     assert producer.get_stats().data["held_leases"] == 0
+
+
+# ---- compat hash: an MLA engine and a per-head K/V engine never validate against each other ----
+
+
+def engine_config(mla_latent: tuple[int, int] | None = None, **model) -> SimpleNamespace:
+    """The parts of a ``VllmConfig`` that ``engine_compat_hash`` reads, as vLLM reports them for a
+    Llama (4 KV heads of 64) or, with ``mla_latent=(kv_lora_rank, qk_rope_head_dim)``, for a
+    DeepSeek-V2 model served with MLA (one "KV head" as wide as the latent)."""
+    if mla_latent:
+        hf = SimpleNamespace(
+            architectures=["DeepseekV2ForCausalLM"],
+            kv_lora_rank=mla_latent[0],
+            qk_rope_head_dim=mla_latent[1],
+        )
+        kv_heads, head_size = 1, sum(mla_latent)
+    else:
+        hf = SimpleNamespace(architectures=["LlamaForCausalLM"])
+        kv_heads, head_size = 4, 64
+    fields = {"hf": hf, "kv_heads": kv_heads, "head_size": head_size, **model}
+    model_config = SimpleNamespace(
+        hf_config=fields["hf"],
+        hf_text_config=fields["hf"],
+        use_mla=mla_latent is not None,
+        dtype="torch.float32",
+        get_num_layers=lambda pc: 2,
+        get_num_kv_heads=lambda pc: fields["kv_heads"],
+        get_head_size=lambda: fields["head_size"],
+    )
+    return SimpleNamespace(
+        model_config=model_config,
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+def test_compat_hash_of_an_engine_is_stable():
+    assert engine_compat_hash(engine_config()) == engine_compat_hash(engine_config())
+    mla = engine_config(mla_latent=(512, 64))
+    assert engine_compat_hash(mla) == engine_compat_hash(engine_config(mla_latent=(512, 64)))
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        pytest.param(engine_config(), engine_config(mla_latent=(512, 64)), id="llama-vs-mla"),
+        # Even with the model, head count and head size made alike, MLA on or off alone differs.
+        pytest.param(
+            engine_config(mla_latent=(512, 64)),
+            engine_config(
+                hf=SimpleNamespace(architectures=["DeepseekV2ForCausalLM"]),
+                kv_heads=1,
+                head_size=576,
+            ),
+            id="mla-flag-alone",
+        ),
+        pytest.param(
+            engine_config(mla_latent=(512, 64)), engine_config(mla_latent=(256, 64)), id="width"
+        ),
+        pytest.param(
+            engine_config(mla_latent=(512, 64)), engine_config(mla_latent=(544, 32)), id="split"
+        ),
+    ],
+)
+def test_compat_hash_tells_kv_layouts_apart(a, b):
+    assert engine_compat_hash(a) != engine_compat_hash(b)
+
+
+def test_a_handoff_from_an_mla_producer_is_refused_by_a_llama_consumer_naming_mla():
+    settings = load_settings({"decode_url": "127.0.0.1:17000"}, env={})
+    cfg = resolve(settings, "kv_consumer", "decode", 1)
+    half = SchedulerHalf(cfg, BLOCK, engine_compat_hash(engine_config()))
+    try:
+        mla_hash = engine_compat_hash(engine_config(mla_latent=(512, 64)))
+        params = handoff_params(300, compat_hash=mla_hash)
+        _, is_async, (load,) = plan(half, request("r1", 300, params), Blocks([10, 11, 12]))
+    finally:
+        half.shutdown()
+    assert is_async  # claimed, then reported failed: vLLM's kv_load_failure_policy decides
+    assert "compat hash mismatch" in load.error and "MLA latent" in load.error
