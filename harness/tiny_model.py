@@ -68,19 +68,9 @@ class TinyModelSpec:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
+            **_common_config(self, vocab_size, bos_token_id, eos_token_id),
             num_key_value_heads=self.kv_heads,
             head_dim=self.head_dim,
-            max_position_embeddings=self.max_len,
-            initializer_range=self.init_std,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=False,
-            torch_dtype="float32",
         )
         return LlamaForCausalLM(config)
 
@@ -124,11 +114,7 @@ class TinyMLASpec:
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
         config = DeepseekV2Config(
-            vocab_size=vocab_size,
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
+            **_common_config(self, vocab_size, bos_token_id, eos_token_id),
             num_key_value_heads=self.heads,
             q_lora_rank=None,  # a plain q_proj: one projection fewer to get right
             kv_lora_rank=self.kv_lora_rank,
@@ -145,17 +131,28 @@ class TinyMLASpec:
             n_group=1,
             topk_group=1,
             moe_intermediate_size=self.intermediate,
-            max_position_embeddings=self.max_len,
-            initializer_range=self.init_std,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=False,
-            torch_dtype="float32",
         )
         return DeepseekV2ForCausalLM(config)
 
 
 TinySpec = TinyModelSpec | TinyMLASpec
+
+
+def _common_config(spec: TinySpec, vocab_size: int, bos_token_id: int, eos_token_id: int) -> dict:
+    """The config fields both model families take alike."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "max_position_embeddings": spec.max_len,
+        "initializer_range": spec.init_std,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
 
 
 def _digest(spec: TinySpec) -> str:

@@ -69,10 +69,9 @@ class MooncakeConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerHalf | None = None
         self._worker = None
+        compat = engine_compat_hash(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(
-                self._cfg, vllm_config.cache_config.block_size, engine_compat_hash(vllm_config)
-            )
+            self._scheduler = SchedulerHalf(self._cfg, vllm_config.cache_config.block_size, compat)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -82,7 +81,7 @@ class MooncakeConnector(KVConnectorBase_V1):
             self._worker = WorkerHalf(
                 self._cfg,
                 get_tensor_model_parallel_rank(),
-                engine_compat_hash(vllm_config),
+                compat,
                 kv_cache_config.num_blocks,
             )
 
