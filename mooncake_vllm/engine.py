@@ -15,12 +15,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake_vllm.os_threads import adopt_native_threads, native_threads
 from mooncake_vllm.planning import Region
 
 logger = logging.getLogger(__name__)
@@ -72,10 +74,20 @@ class TransferEngine:
         """``metadata_server`` is ``P2PHANDSHAKE`` or the http URL of this worker's bridge."""
         # Set before import/initialize: the engine reads these once.
         os.environ.update(env)
+        threads_before = native_threads()
         from mooncake.engine import TransferEngine as _TE
 
         te = _TE()
         rc = te.initialize(hostname, metadata_server, protocol, device_name)
+        # On TCP the engine's threads (its asio I/O thread moves every byte of a read, on both
+        # sides) sleep in epoll between transfers; behind vLLM's busy-waiting workers they waited
+        # for a CPU at every wake-up. Threads of other transports (RDMA pollers) may spin: left
+        # alone. New threads named like this one are the engine's.
+        own_name = native_threads().get(threading.get_native_id(), "")
+        started = [
+            t for t, n in native_threads().items() if t not in threads_before and n == own_name
+        ]
+        adopt_native_threads(started, "mc-te", realtime=protocol == "tcp")
         if rc != 0:
             raise EngineInitError(
                 f"transfer engine initialize({hostname!r}, {metadata_server!r}, {protocol!r}, "

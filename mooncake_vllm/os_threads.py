@@ -101,6 +101,28 @@ def latency_critical_section() -> Iterator[None]:
         os.sched_setscheduler(0, before[0], before[1])
 
 
+def native_threads() -> dict[int, str]:
+    """This process's threads: native id -> name. Empty where there is no /proc."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for task in os.scandir("/proc/self/task"):
+            # OSError: a thread that just ended
+            with contextlib.suppress(OSError), open(f"{task.path}/comm") as f:
+                out[int(task.name)] = f.read().strip()
+    return out
+
+
+def adopt_native_threads(tids: list[int], name: str, realtime: bool) -> None:
+    """Name threads a native library started for us (they inherit their creator's name), and give
+    them real-time priority if ``realtime`` and allowed. Threads gone meanwhile are skipped."""
+    for tid in tids:
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm", "w") as f:
+            f.write(name[:15])
+        if realtime and realtime_allowed():
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(_RT_PRIORITY))
+
+
 def latency_zmq_context() -> zmq.Context:
     """A ZeroMQ context of our own whose I/O thread runs at real-time priority where allowed: each
     side-channel frame passes through the I/O threads of both processes, two wake-ups per
