@@ -71,3 +71,19 @@ def test_latency_critical_thread_gets_realtime_or_nice() -> None:
         assert got == {"applied": "realtime", "policy": os.SCHED_FIFO}
     else:
         assert got["applied"] in ("nice", "none") and got["policy"] == os.SCHED_OTHER
+
+
+def test_adopted_threads_are_named_and_realtime_where_allowed() -> None:
+    release = threading.Event()
+    started = threading.Event()
+    t = threading.Thread(target=lambda: (started.set(), release.wait(5)))
+    t.start()
+    started.wait(5)
+    try:
+        os_threads.adopt_native_threads([t.native_id], "mc-test", realtime=True)
+        name, policy = _threads()[t.native_id]
+        expected = os.SCHED_FIFO if os_threads.realtime_allowed() else os.SCHED_OTHER
+        assert (name, policy) == ("mc-test", expected)
+    finally:
+        release.set()
+        t.join()
