@@ -89,8 +89,6 @@ class BackendPool:
         probe_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not urls:
-            raise ValueError(f"{role} pool needs at least one backend URL")
         self.role = role
         self.policy = Policy(policy)
         self.backoff = backoff
@@ -111,6 +109,8 @@ class BackendPool:
         """
         excluded = set(exclude)
         count = len(self.backends)
+        if not count:
+            raise NoHealthyBackend(self.role, 0)
         # Candidates in round-robin order starting at _next_index.
         order = [(self._next_index + i) % count for i in range(count)]
         candidates = [
@@ -125,6 +125,26 @@ class BackendPool:
             chosen = candidates[0]
         self._next_index = (chosen + 1) % count
         return self.backends[chosen]
+
+    # ---- membership (discovery) -----------------------------------------------------------------
+
+    def add(self, url: str) -> Backend | None:
+        """Add a backend that is not in rotation until its first health probe (due now) passes:
+        a discovered engine publishes itself before its API server listens. None if present."""
+        if any(b.url == url for b in self.backends):
+            return None
+        backend = Backend(url, healthy=False, last_error="joined; not probed yet")
+        backend.next_probe_at_s = self._clock()
+        self.backends = (*self.backends, backend)
+        return backend
+
+    def remove(self, url: str) -> Backend | None:
+        """Take a backend out of the pool (requests already on it finish). None if absent."""
+        gone = next((b for b in self.backends if b.url == url), None)
+        if gone is not None:
+            self.backends = tuple(b for b in self.backends if b is not gone)
+            self._next_index = self._next_index % len(self.backends) if self.backends else 0
+        return gone
 
     def begin(self, backend: Backend) -> None:
         backend.in_flight += 1
@@ -187,7 +207,8 @@ class BackendPool:
 
     def seconds_until_next_probe(self) -> float:
         now_s = self._clock()
-        return max(min(b.next_probe_at_s for b in self.backends) - now_s, 0.0)
+        next_probe_at_s = min((b.next_probe_at_s for b in self.backends), default=now_s + 1.0)
+        return max(next_probe_at_s - now_s, 0.0)
 
     def any_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)
