@@ -325,8 +325,8 @@ async def test_2p2d_survives_a_killed_prefill_and_decode_and_they_rejoin(xpyd):
     # Restarted, both rejoin: p1 by its health probes, d2 by its new registry record.
     restart_s = await asyncio.to_thread(c.start, ["p1", "d2"])
     rejoin_s = await asyncio.to_thread(
-        c.proxy.wait_for, "p1 and d2 back in rotation", lambda: _pools_are(c), 15
-    )
+        c.proxy.wait_for, "p1 and d2 back in rotation", lambda: _pools_are(c), 45
+    )  # p1's probes back off up to 30 s while it is down
     print(f"restart: healthy in {restart_s:.0f}s, in the proxy's rotation {rejoin_s:.1f}s later")
     before = _counters(c)
     again = _prompts(seed=4, n=8)
