@@ -133,7 +133,11 @@ def test_a_joined_backend_waits_for_its_first_probe_and_a_removed_one_is_gone():
     with pytest.raises(NoHealthyBackend):
         pool.pick()  # out of rotation until a probe passes ...
     assert pool.due_for_probe() == [joined]  # ... which is due at once
+    for _ in range(6):  # still starting: probed every second, no backoff
+        pool.probe_failed(joined, "connection refused")
+        assert joined.next_probe_at_s == now[0] + 1.0
     pool.probe_ok(joined)
+    assert not joined.joining
     other = pool.add("http://b:1")
     pool.probe_ok(other)
     assert [pool.pick().url for _ in range(3)] == ["http://a:1", "http://b:1", "http://a:1"]

@@ -64,6 +64,9 @@ class Backend:
     consecutive_failures: int = 0
     last_error: str | None = None
     next_probe_at_s: float = 0.0  # on the pool's clock
+    # Discovered and not yet seen healthy: probed every ``Backoff.initial_s`` without backing
+    # off, so an engine that publishes itself early is in rotation soon after it serves.
+    joining: bool = False
 
     def snapshot(self, now_s: float) -> dict[str, Any]:
         return {
@@ -133,7 +136,7 @@ class BackendPool:
         a discovered engine publishes itself before its API server listens. None if present."""
         if any(b.url == url for b in self.backends):
             return None
-        backend = Backend(url, healthy=False, last_error="joined; not probed yet")
+        backend = Backend(url, healthy=False, last_error="joined; not probed yet", joining=True)
         backend.next_probe_at_s = self._clock()
         self.backends = (*self.backends, backend)
         return backend
@@ -174,7 +177,8 @@ class BackendPool:
             return self.eject(backend, reason)
         backend.last_error = reason
         backend.consecutive_failures += 1
-        backend.next_probe_at_s = self._clock() + self.backoff.delay_s(backend.consecutive_failures)
+        delay_s = self.backoff.delay_s(1 if backend.joining else backend.consecutive_failures)
+        backend.next_probe_at_s = self._clock() + delay_s
         return False
 
     def probe_timed_out(self, backend: Backend, reason: str) -> bool:
@@ -196,6 +200,7 @@ class BackendPool:
         """A health probe succeeded. True when this brought an ejected backend back."""
         came_back = not backend.healthy
         backend.healthy = True
+        backend.joining = False
         backend.consecutive_failures = 0
         backend.last_error = None
         backend.next_probe_at_s = self._clock() + self.probe_interval_s
