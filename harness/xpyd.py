@@ -7,6 +7,7 @@ user types) in its own process group, logging to a file like every other harness
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -70,7 +71,9 @@ def start_proxy(
     argv = [sys.executable, str(REPO_ROOT / "proxy" / "proxy_server.py"), *args]
     argv += ["--host", host, "--port", str(port)]
     log = (log_dir or default_log_dir()) / f"proxy-{host}-{port}.log"
-    proc = ManagedProcess("proxy", argv, log).start()
+    # This checkout's package, not whichever one is installed (the script's own fallback).
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = ManagedProcess("proxy", argv, log, env).start()
     server = ProxyServer(proc, host, port)
     proc.wait_until(lambda: "status" in server.health(), timeout_s, "answering /health")
     return server
