@@ -29,6 +29,7 @@ from mooncake_vllm.metadata import (
     parse_metadata_server,
     split_host_port,
 )
+from mooncake_vllm.serving_url import normalize_advertise_url
 
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -75,6 +76,9 @@ class MooncakeSettings(BaseModel):
     stall_timeout_s: int = Field(2, ge=1, le=60)
     # Transfer-engine entries one pull keeps in flight (each its own TCP connection).
     max_batch_entries: int = Field(512, gt=0, le=2000)
+    # With a metadata store: the OpenAI base URL published for ``proxy_server.py --discover``.
+    # Default: the vLLM API server's --host/--port (see ``serving_url``).
+    advertise_url: str | None = None
 
     @field_validator("prefill_url", "decode_url")
     @classmethod
@@ -82,9 +86,20 @@ class MooncakeSettings(BaseModel):
         _host_port(info.field_name, v)
         return v
 
+    @field_validator("advertise_url")
+    @classmethod
+    def _check_advertise_url(cls, v: str | None) -> str | None:
+        return None if v is None else normalize_advertise_url(v)
+
     @model_validator(mode="after")
     def _check_metadata(self) -> MooncakeSettings:
-        parse_metadata_server(self.metadata_server, self.metadata_backend)  # ValueError names it
+        target = parse_metadata_server(self.metadata_server, self.metadata_backend)
+        if self.advertise_url is not None and target.kind == "p2p":
+            raise ValueError(
+                f"advertise_url={self.advertise_url!r} is published in a metadata store, and "
+                f"metadata_server={self.metadata_server!r} is none: set metadata_server to "
+                "'etcd://h:p', 'redis://h:p' or 'http://h:p/metadata', or drop advertise_url"
+            )
         return self
 
 

@@ -108,6 +108,7 @@ class Store(Protocol):
     async def get(self, key: str) -> bytes | None: ...
     async def put(self, key: str, value: bytes, ttl_s: float | None = None) -> None: ...
     async def delete(self, key: str) -> None: ...
+    async def list(self, prefix: str) -> dict[str, bytes]: ...
     async def close(self) -> None: ...
 
 
@@ -162,6 +163,16 @@ class EtcdStore:
     async def delete(self, key: str) -> None:
         await self._post("/v3/kv/deleterange", {"key": _b64(key)})
 
+    async def list(self, prefix: str) -> dict[str, bytes]:
+        raw = prefix.encode()
+        range_end = raw[:-1] + bytes([raw[-1] + 1])  # every key that starts with prefix
+        body = {"key": _b64(raw), "range_end": _b64(range_end)}
+        kvs = (await self._post("/v3/kv/range", body)).get("kvs") or []
+        return {
+            base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", ""))
+            for kv in kvs
+        }
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -194,6 +205,16 @@ class RedisStore:
 
     async def delete(self, key: str) -> None:
         await self._do("DEL", self._redis.delete(key))
+
+    async def list(self, prefix: str) -> dict[str, bytes]:
+        async def scan() -> dict[str, bytes]:
+            pattern = "".join(f"[{c}]" if c in "*?[]\\" else c for c in prefix) + "*"
+            keys = [k async for k in self._redis.scan_iter(match=pattern, count=1000)]
+            values = await self._redis.mget(keys) if keys else []
+            # A key that expired between SCAN and MGET reads as None: it is gone.
+            return {k.decode(): v for k, v in zip(keys, values, strict=True) if v is not None}
+
+        return await self._do("SCAN", scan())
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -244,6 +265,22 @@ class HttpStore:
         status, _ = await self._request("DELETE", {"key": key})
         if status not in (200, 404):
             raise StoreUnavailable(f"http {self._url}: DELETE {key} answered {status}")
+
+    async def list(self, prefix: str) -> dict[str, bytes]:
+        """``GET url?prefix=P`` → ``{key: base64 value}``: our metadata server's extension
+        (Mooncake's server does not list keys)."""
+        status, body = await self._request("GET", {"prefix": prefix})
+        try:
+            listed = json.loads(body) if status == 200 else None
+        except json.JSONDecodeError:
+            listed = None
+        if not isinstance(listed, dict):
+            raise StoreUnavailable(
+                f"http {self._url}: listing keys by prefix answered {status} {body[:200]!r}; "
+                "discovery over http needs mooncake_vllm.metadata_server (Mooncake's http "
+                "metadata server cannot list keys)"
+            )
+        return {k: base64.b64decode(v) for k, v in listed.items()}
 
     async def close(self) -> None:
         if self._session is not None:
@@ -299,6 +336,10 @@ class MemoryStore:
     async def delete(self, key: str) -> None:
         if self._data.pop(key, None) is not None:
             self._save()
+
+    async def list(self, prefix: str) -> dict[str, bytes]:
+        keys = [k for k in self._data if k.startswith(prefix)]
+        return {k: v for k in keys if (v := self._live(k)) is not None}
 
     async def close(self) -> None:
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import logging
 import os
@@ -36,10 +37,12 @@ class KeyValue(Protocol):
     async def get(self, key: str) -> bytes | None: ...
     async def put(self, key: str, value: bytes, ttl_s: float | None = None) -> None: ...
     async def delete(self, key: str) -> None: ...
+    async def list(self, prefix: str) -> dict[str, bytes]: ...
 
 
 def metadata_app(kv: KeyValue, path: str = "/metadata") -> web.Application:
-    """The engine's http metadata protocol (plus ``ttl`` seconds on PUT, and ``GET /health``)."""
+    """The engine's http metadata protocol (plus ``ttl`` seconds on PUT, ``GET ?prefix=P`` listing
+    ``{key: base64 value}`` for discovery, and ``GET /health``)."""
 
     def key_of(request: web.Request) -> str:
         key = request.query.get("key")
@@ -48,6 +51,13 @@ def metadata_app(kv: KeyValue, path: str = "/metadata") -> web.Application:
         return key
 
     async def get(request: web.Request) -> web.Response:
+        prefix = request.query.get("prefix")
+        if prefix is not None and "key" not in request.query:  # list: {key: base64 value}
+            try:
+                listed = await kv.list(prefix)
+            except StoreUnavailable as e:
+                return web.Response(status=503, text=str(e))
+            return web.json_response({k: base64.b64encode(v).decode() for k, v in listed.items()})
         try:
             value = await kv.get(key_of(request))
         except StoreUnavailable as e:
@@ -142,6 +152,9 @@ class _CachedStore:
             await self.store.delete(key)
         except StoreUnavailable as e:
             self._lost(e)  # an owned key expires by its TTL anyway
+
+    async def list(self, prefix: str) -> dict[str, bytes]:
+        return await self.store.list(prefix)  # no cache: a listing must be current
 
     async def heartbeat(self) -> None:
         try:

@@ -118,6 +118,33 @@ def decode_record(data: bytes) -> EngineRecord:
     return msgspec.json.decode(data, type=EngineRecord)
 
 
+class ServingRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Where an engine serves the OpenAI API, published beside its ``EngineRecord`` (by TP
+    rank 0, one per engine) under ``serving_key``: what ``proxy_server.py --discover`` reads."""
+
+    version: int = PROTOCOL_VERSION
+    engine_id: str
+    role: str  # kv_producer → prefill pool, kv_consumer → decode pool, kv_both → both
+    url: str  # http(s)://host:port, no path
+    compat_hash: str
+
+
+SERVING_PREFIX = "mooncake-vllm/serving/"
+
+
+def serving_key(engine_id: str) -> str:
+    return f"{SERVING_PREFIX}{engine_id}"
+
+
+def encode_serving(record: ServingRecord) -> bytes:
+    return msgspec.json.encode(record)
+
+
+def decode_serving(data: bytes) -> ServingRecord:
+    """Raises ``msgspec.DecodeError``/``ValidationError`` on a malformed record."""
+    return msgspec.json.decode(data, type=ServingRecord)
+
+
 # ---- side-channel frames -------------------------------------------------------------------
 # The frame version is part of every tag ("acquire/1"): a peer speaking another version gets its
 # frames dropped as malformed (and logged), never misread.

@@ -49,10 +49,14 @@ from mooncake_vllm.protocol import (
     MemSegment,
     Refused,
     Release,
+    ServingRecord,
     decode_record,
     encode_record,
+    encode_serving,
     registry_key,
+    serving_key,
 )
+from mooncake_vllm.serving_url import find_serving_url
 from mooncake_vllm.side_channel import SideChannelClient, SideChannelError
 from mooncake_vllm.stats import MooncakeStats
 from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata, MooncakeWorkerMeta
@@ -205,6 +209,8 @@ class WorkerHalf:
                 compat_hash=self._compat_hash,
             )
             self._bridge.publish(registry_key(cfg.engine_id, self._tp_rank), encode_record(record))
+            if self._tp_rank == 0:
+                self._publish_serving_url()
         logger.info(
             "MooncakeConnector worker rank %d (%s): %d layers, %d segments, %d B/block, "
             "engine %s, side channel %s, metadata %s",
@@ -212,6 +218,25 @@ class WorkerHalf:
             self._engine.segment_name, side_channel or "-",
             cfg.metadata.describe(),
         )  # fmt: skip
+
+    def _publish_serving_url(self) -> None:
+        """Publish where this engine serves the OpenAI API, for ``proxy_server.py --discover``
+        (the bridge keeps it alive with the other keys and deletes it when the engine stops)."""
+        cfg = self._cfg
+        url = cfg.settings.advertise_url or find_serving_url(cfg.host)
+        if url is None:
+            logger.info(
+                "MooncakeConnector: no vLLM API server found above this process and no "
+                "advertise_url set: engine %s is not published for proxy discovery",
+                cfg.engine_id,
+            )
+            return
+        assert self._bridge is not None
+        record = ServingRecord(
+            engine_id=cfg.engine_id, role=cfg.role, url=url, compat_hash=self._compat_hash
+        )
+        self._bridge.publish(serving_key(cfg.engine_id), encode_serving(record))
+        logger.info("MooncakeConnector: published %s %s for proxy discovery", cfg.role, url)
 
     @property
     def te_segment(self) -> str | None:

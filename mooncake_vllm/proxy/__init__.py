@@ -7,6 +7,7 @@ One module per concern; the first three are pure:
 - ``errors``: what a client can get, and what a failed backend call means;
 - ``failover``: the pools, the HTTP session, and the one failover path both legs take;
 - ``legs``: the prefill leg and the decode leg; ``stream``: relaying a streamed decode answer;
-- ``health``: the background prober; ``metrics``: the Prometheus metrics;
+- ``health``: the background prober; ``metrics``: the Prometheus metrics; ``discovery``: pools
+  that follow the engine registry (``--discover``);
 - ``app``: the Quart app and its routes; ``server``: the command line (``mooncake-vllm-proxy``).
 """

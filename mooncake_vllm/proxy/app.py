@@ -38,6 +38,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from mooncake_vllm.proxy import legs, rewrite
 from mooncake_vllm.proxy.config import ProxyConfig
+from mooncake_vllm.proxy.discovery import RegistryFollower
 from mooncake_vllm.proxy.errors import ProxyError
 from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.health import HealthProber, health_report, healthy
@@ -100,6 +101,10 @@ def create_app(cfg: ProxyConfig) -> Quart:
     metrics = ProxyMetrics()
     backends = Backends(cfg, metrics)
     prober = HealthProber(backends)
+    follower = (
+        RegistryFollower(backends, cfg.discover, cfg.discover_interval_s) if cfg.discover else None
+    )
+    app.extensions["registry_follower"] = follower  # tests wait on its rounds
     # Read once: the key the backends expect when the client's key is not forwarded.
     env_api_key = os.environ.get("OPENAI_API_KEY") or None
 
@@ -107,9 +112,13 @@ def create_app(cfg: ProxyConfig) -> Quart:
     async def _start() -> None:
         await backends.open()
         prober.start()
+        if follower is not None:
+            follower.start()
 
     @app.after_serving
     async def _stop() -> None:
+        if follower is not None:
+            await follower.stop()
         await prober.stop()  # before the session it probes with closes
         await backends.close()
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from mooncake_vllm.metadata import parse_metadata_server
 from mooncake_vllm.proxy.routing import Policy
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -39,8 +40,12 @@ class ProxyConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    prefill: list[str] = Field(min_length=1)
-    decode: list[str] = Field(min_length=1)
+    # Static backends; with ``discover`` either may be empty (the registry fills the pools).
+    prefill: list[str] = []
+    decode: list[str] = []
+    # A metadata store (etcd://, redis://, http://) whose engine registry the pools follow.
+    discover: str | None = None
+    discover_interval_s: float = Field(1.0, gt=0)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     policy: Policy = Policy.ROUND_ROBIN
@@ -60,6 +65,26 @@ class ProxyConfig(BaseModel):
         if duplicates:
             raise ValueError(f"listed more than once: {', '.join(duplicates)}")
         return normalized
+
+    @field_validator("discover")
+    @classmethod
+    def _discover(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        if parse_metadata_server(url).kind == "p2p":  # ValueError names the accepted forms
+            raise ValueError("P2PHANDSHAKE has no registry; give etcd://, redis:// or http://")
+        return url
+
+    @model_validator(mode="after")
+    def _some_backends(self) -> ProxyConfig:
+        if self.discover is None:
+            missing = [f"--{role}" for role in ("prefill", "decode") if not getattr(self, role)]
+            if missing:
+                raise ValueError(
+                    f"no {' and no '.join(missing)} backend: give {' and '.join(missing)} URL, "
+                    "or --discover etcd://HOST:PORT (or redis://, http://) to find them"
+                )
+        return self
 
     @field_validator("api_key")
     @classmethod

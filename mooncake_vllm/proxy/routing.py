@@ -64,6 +64,9 @@ class Backend:
     consecutive_failures: int = 0
     last_error: str | None = None
     next_probe_at_s: float = 0.0  # on the pool's clock
+    # Discovered and not yet seen healthy: probed every ``Backoff.initial_s`` without backing
+    # off, so an engine that publishes itself early is in rotation soon after it serves.
+    joining: bool = False
 
     def snapshot(self, now_s: float) -> dict[str, Any]:
         return {
@@ -89,8 +92,6 @@ class BackendPool:
         probe_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not urls:
-            raise ValueError(f"{role} pool needs at least one backend URL")
         self.role = role
         self.policy = Policy(policy)
         self.backoff = backoff
@@ -111,6 +112,8 @@ class BackendPool:
         """
         excluded = set(exclude)
         count = len(self.backends)
+        if not count:
+            raise NoHealthyBackend(self.role, 0)
         # Candidates in round-robin order starting at _next_index.
         order = [(self._next_index + i) % count for i in range(count)]
         candidates = [
@@ -125,6 +128,26 @@ class BackendPool:
             chosen = candidates[0]
         self._next_index = (chosen + 1) % count
         return self.backends[chosen]
+
+    # ---- membership (discovery) -----------------------------------------------------------------
+
+    def add(self, url: str) -> Backend | None:
+        """Add a backend that is not in rotation until its first health probe (due now) passes:
+        a discovered engine publishes itself before its API server listens. None if present."""
+        if any(b.url == url for b in self.backends):
+            return None
+        backend = Backend(url, healthy=False, last_error="joined; not probed yet", joining=True)
+        backend.next_probe_at_s = self._clock()
+        self.backends = (*self.backends, backend)
+        return backend
+
+    def remove(self, url: str) -> Backend | None:
+        """Take a backend out of the pool (requests already on it finish). None if absent."""
+        gone = next((b for b in self.backends if b.url == url), None)
+        if gone is not None:
+            self.backends = tuple(b for b in self.backends if b is not gone)
+            self._next_index = self._next_index % len(self.backends) if self.backends else 0
+        return gone
 
     def begin(self, backend: Backend) -> None:
         backend.in_flight += 1
@@ -154,7 +177,8 @@ class BackendPool:
             return self.eject(backend, reason)
         backend.last_error = reason
         backend.consecutive_failures += 1
-        backend.next_probe_at_s = self._clock() + self.backoff.delay_s(backend.consecutive_failures)
+        delay_s = self.backoff.delay_s(1 if backend.joining else backend.consecutive_failures)
+        backend.next_probe_at_s = self._clock() + delay_s
         return False
 
     def probe_timed_out(self, backend: Backend, reason: str) -> bool:
@@ -176,6 +200,7 @@ class BackendPool:
         """A health probe succeeded. True when this brought an ejected backend back."""
         came_back = not backend.healthy
         backend.healthy = True
+        backend.joining = False
         backend.consecutive_failures = 0
         backend.last_error = None
         backend.next_probe_at_s = self._clock() + self.probe_interval_s
@@ -187,7 +212,8 @@ class BackendPool:
 
     def seconds_until_next_probe(self) -> float:
         now_s = self._clock()
-        return max(min(b.next_probe_at_s for b in self.backends) - now_s, 0.0)
+        next_probe_at_s = min((b.next_probe_at_s for b in self.backends), default=now_s + 1.0)
+        return max(next_probe_at_s - now_s, 0.0)
 
     def any_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)

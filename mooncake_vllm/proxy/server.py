@@ -38,16 +38,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
         help="prefill vLLM base URL, http://HOST:PORT; repeat for several",
     )
     p.add_argument(
         "--decode",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
         help="decode vLLM base URL, http://HOST:PORT; repeat for several",
+    )
+    p.add_argument(
+        "--discover",
+        default=None,
+        metavar="STORE",
+        help="also take backends from the engine registry in this metadata store "
+        "(etcd://HOST:PORT, redis://HOST:PORT, http://HOST:PORT/metadata): engines that publish "
+        "themselves join, engines whose record goes away leave",
+    )
+    p.add_argument(
+        "--discover-interval-s",
+        type=float,
+        default=defaults["discover_interval_s"].default,
+        help="how often the registry is read (%(default)s)",
     )
     p.add_argument("--host", default=defaults["host"].default, help="bind address (%(default)s)")
     p.add_argument("--port", type=int, default=defaults["port"].default, help="(%(default)s)")
@@ -110,8 +124,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            flag = "--" + str(err["loc"][0]).replace("_", "-")
             message = err["msg"].removeprefix("Value error, ")
+            if not err["loc"]:  # a check across flags: its message names them
+                problems.append(message)
+                continue
+            flag = "--" + str(err["loc"][0]).replace("_", "-")
             problems.append(f"{flag}: {message} (got {err['input']!r})")
         parser.error("; ".join(problems))
         raise AssertionError("unreachable") from e  # parser.error exits
@@ -153,10 +170,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logger.info(
-        "prefill %s, decode %s, policy %s",
-        ", ".join(cfg.prefill),
-        ", ".join(cfg.decode),
+        "prefill %s, decode %s, policy %s%s",
+        ", ".join(cfg.prefill) or "-",
+        ", ".join(cfg.decode) or "-",
         cfg.policy.value,
+        f", discovering backends in {cfg.discover}" if cfg.discover else "",
     )
     asyncio.run(serve(cfg))
 
