@@ -84,6 +84,7 @@ def load(req_id: str = "req-1", blocks: int = 2) -> MooncakeConnectorMetadata:
         producer_engine_id="producer",
         side_channel_host="127.0.0.1",
         side_channel_ports=[16000],
+        producer_tp_size=1,
         remote_block_ids=list(range(1, 1 + blocks)),
         prompt_len=blocks * 16,
         block_size=16,
