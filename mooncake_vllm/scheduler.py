@@ -7,8 +7,8 @@ and returns the ``Handoff`` as ``kv_transfer_params``.
 Consumer: ``get_num_new_matched_tokens`` claims the prompt tokens the local prefix cache lacks as
 an asynchronous external load; ``update_state_after_alloc`` validates the handoff and records the
 destination blocks. A handoff that fails validation is still claimed and then reported failed by
-the worker, so vLLM's ``kv_load_failure_policy`` (recompute or fail) decides for every bad
-handoff alike.
+the worker (which reads nothing and releases the producer's lease), so vLLM's
+``kv_load_failure_policy`` (recompute or fail) decides for every bad handoff alike.
 
 Late writes: the transfer engine cannot cancel a read, and a pull can be reported failed at its
 deadline while entries are still in flight (a frozen producer). The destination blocks are

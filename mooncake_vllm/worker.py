@@ -334,6 +334,8 @@ class WorkerHalf:
         acquired = succeeded = False
         try:
             if load.error is not None:
+                if h is not None:  # rejected (e.g. another model's KV): free its lease now
+                    self._releases.submit(self._release_rejected, h)
                 raise PullFailed(load.error)
             assert h is not None and self._engine is not None
             address = self._producer_address(h)
@@ -416,6 +418,12 @@ class WorkerHalf:
         if record.compat_hash != h.compat_hash:
             raise PullFailed(f"registry compat hash of {h.producer_engine_id!r} differs")
         return record.side_channel
+
+    def _release_rejected(self, h: Handoff) -> None:
+        try:
+            self._release(self._producer_address(h), h.transfer_id, False)
+        except Exception as e:  # the producer's lease TTL frees the blocks anyway
+            logger.info("release of rejected transfer %s failed: %s", h.transfer_id, e)
 
     def _release(self, address: str, transfer_id: str, ok: bool) -> None:
         try:
