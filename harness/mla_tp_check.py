@@ -47,20 +47,25 @@ def snapshot(consumer, producer) -> dict[str, float]:
 
 
 async def direction(http, plain, producer, consumer, consumer_tp: int, lengths, seed: int):
+    """``plain`` computes the references; the consumer itself too (a request without a handoff
+    is computed locally), so a TP2 consumer is also compared with TP2 arithmetic."""
     rng = random.Random(seed)
     before = snapshot(consumer, producer)
-    equal, pages, prompt_tokens = 0, 0, 0
+    equal, equal_same_tp, pages, prompt_tokens = 0, 0, 0, 0
     for n in lengths:
         case = [rng.randrange(3, SPEC.vocab) for _ in range(n)]
         head = case[:-1]
-        ref = await complete(
-            http, plain, {"model": plain.model, "prompt": head, "max_tokens": MAX_TOKENS + 1,
-                          "temperature": 0},
-        )  # fmt: skip
+        request = {"model": plain.model, "prompt": head, "max_tokens": MAX_TOKENS + 1,
+                   "temperature": 0}  # fmt: skip
+        ref = await complete(http, plain, request)
+        local = await complete(http, consumer, request)
         prompt, ref_ids = head + ref.token_ids[:1], ref.token_ids[1:]
         body = {"model": plain.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
         _, tail = await two_legs(http, producer, consumer, body)
         equal += tail.token_ids == ref_ids
+        equal_same_tp += local.token_ids[:1] == ref.token_ids[:1] and (
+            tail.token_ids == local.token_ids[1:]
+        )
         pages += -(-n // BLOCK)
         prompt_tokens += n
     await asyncio.sleep(3)  # vLLM publishes connector stats after the step
@@ -68,7 +73,8 @@ async def direction(http, plain, producer, consumer, consumer_tp: int, lengths, 
     delta = {k: after[k] - before[k] for k in after}
     return {
         "requests": len(lengths),
-        "token_equal": equal,
+        "token_equal_plain_tp1": equal,
+        "token_equal_consumer_local": equal_same_tp,
         **delta,
         "expected_pulls": len(lengths) * consumer_tp,
         "expected_bytes": pages * BLOCK * SPEC.kv_bytes_per_token * consumer_tp,
