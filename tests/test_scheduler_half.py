@@ -4,6 +4,7 @@ which blocks it plans to fill, which handoffs it rejects, and what a finished pr
 
 from __future__ import annotations
 
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -202,8 +203,22 @@ def test_with_its_side_channel_down_a_producer_holds_nothing_and_says_why_once(p
 # ---- TP: an MLA latent is replicated, so any consumer TP size reads one shared lease ----------
 
 
+def free_port_run(count: int) -> int:
+    """A port with the ``count - 1`` ports after it free too (a TP2 producer binds port + 1 and
+    port + 3: another test's side channel there would answer in its place)."""
+    while True:
+        port = free_port("127.0.0.1")
+        try:
+            for p in range(port, port + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+
+
 def tp2_producer(kv_replicated: bool) -> SchedulerHalf:
-    port = free_port("127.0.0.1")
+    port = free_port_run(4)
     settings = load_settings({"prefill_url": f"127.0.0.1:{port}"}, env={})
     cfg = resolve(settings, "kv_producer", "prefill", 2)
     half = SchedulerHalf(cfg, BLOCK, HASH, kv_replicated=kv_replicated)
