@@ -1,9 +1,10 @@
 """What disaggregation costs a client: plain vLLM vs our 1P1D vs vLLM's built-in connector 1P1D.
 
-    python -m benchmarks.serving [--full] [--out-dir artifacts/bench] [--no-builtin]
+    python -m benchmarks.serving [--full] [--out-dir artifacts/bench] [--no-builtin] [--mla]
 
-Three setups of the tiny local model on this machine, started together and measured interleaved
-(a b c a b c ...) so drift hits all alike:
+Three setups of the tiny local model (``--mla``: the tiny DeepSeek-V2-style MLA model, served
+with ``--attention-backend CPU_MLA``; results then go to ``serving_mla.json``/``.png``) on this
+machine, started together and measured interleaved (a b c a b c ...) so drift hits all alike:
 
 - ``plain``: one vLLM server;
 - ``ours``: prefill (127.0.0.2) + decode (127.0.0.3) with this package's MooncakeConnector
@@ -40,7 +41,7 @@ from tqdm import tqdm
 from benchmarks import common
 from harness import servers
 from harness.pd import ServerSpec, kv_args, mooncake_json, sse_events, start_many
-from harness.tiny_model import build_tiny_model
+from harness.tiny_model import TinyMLASpec, TinyModelSpec, build_tiny_model
 
 CONFIGS = ["plain", "ours", "builtin"]
 OUTPUT_TOKENS = 32
@@ -54,14 +55,21 @@ WORKAROUND_NOTE = (
 OURS_P, OURS_D, BUILTIN_P, BUILTIN_D = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"
 MAX_MODEL_LEN = 2304
 STATS_ENV = {"VLLM_LOG_STATS_INTERVAL": "1"}
+# The MLA model's server flags on CPU (with the harness's --dtype float32): vLLM's reference MLA
+# kernels; vLLM then uses 16-token blocks and turns prefix caching and chunked prefill off.
+MLA_ARGS = ["--attention-backend", "CPU_MLA"]
 
 
 class Stack:
     """Every server of the three setups; ``stop()`` ends them all."""
 
-    def __init__(self, with_builtin: bool, workdir: Path, log_dir: Path):
+    def __init__(
+        self, with_builtin: bool, workdir: Path, log_dir: Path, spec: TinyModelSpec | TinyMLASpec
+    ):
         self.with_builtin = with_builtin
         self.workdir, self.log_dir = workdir, log_dir
+        self.spec = spec
+        self.model_args = MLA_ARGS if isinstance(spec, TinyMLASpec) else []
         self.started: list = []
         self.urls: dict[str, str] = {}
 
@@ -69,16 +77,16 @@ class Stack:
     def attach(cls, model: str, plain, prefill, decode, proxy_url: str, log_dir: Path) -> Stack:
         """Servers someone else started and stops (the test suite's shared cluster): plain and
         ours only."""
-        stack = cls(False, log_dir, log_dir)
+        stack = cls(False, log_dir, log_dir, TinyModelSpec())
         stack.model = model
         stack.vllm = {"plain": plain, "ours-prefill": prefill, "ours-decode": decode}
         stack.urls = {"plain": plain.url, "ours": proxy_url}
         return stack
 
     def start(self) -> None:
-        model = str(build_tiny_model())
+        model = str(build_tiny_model(spec=self.spec))
         self.model = model
-        common_args = ["--max-model-len", str(MAX_MODEL_LEN)]
+        common_args = ["--max-model-len", str(MAX_MODEL_LEN), *self.model_args]
         cfg = mooncake_json(
             self.workdir / "mooncake.json",
             prefill_url=f"{OURS_P}:13003",
@@ -149,7 +157,8 @@ class Stack:
             "MC_TCP_BIND_ADDRESS": host,
             **STATS_ENV,
         }
-        args = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-transfer-config", json.dumps(cfg)]
+        args = ["--max-model-len", str(MAX_MODEL_LEN), *self.model_args]
+        args += ["--kv-transfer-config", json.dumps(cfg)]
         return ServerSpec(name, host, args, env)
 
     def _proxy(self, name: str, argv: list[str]) -> str:
@@ -384,6 +393,7 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
                 / sum(b["wall_s"] for b in batches),
                 "kv_ms/req": float("nan"),
                 "kv_MB/req": float("nan"),
+                "kv_B/tok": float("nan"),
                 "kv_GB/s": float("nan"),
                 "failed": float("nan"),
                 "retries": float("nan"),
@@ -396,6 +406,8 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
             if kv and kv["transfers"] > 0:
                 row["kv_ms/req"] = kv["seconds"] * 1000 / kv["transfers"]
                 row["kv_MB/req"] = kv["bytes"] / 1e6 / kv["transfers"]
+                # Whole blocks move: the last one may be partly filled.
+                row["kv_B/tok"] = kv["bytes"] / kv["transfers"] / length
                 row["kv_GB/s"] = (
                     kv["bytes"] / kv["seconds"] / 1e9 if kv["seconds"] else float("nan")
                 )
@@ -411,7 +423,7 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict]):
+def plot(rows: list[dict], model_label: str):
     def draw(path: Path) -> None:
         import matplotlib.pyplot as plt
 
@@ -438,7 +450,9 @@ def plot(rows: list[dict]):
         kv_title = f"KV transfer time, concurrency {concs[0]}"
         kv_label = "KV transfer per request (ms, own counters)"
         panel(axes[-1], ("ours", "builtin"), concs[0], "kv_ms/req", kv_label, kv_title)
-        common.save_figure(fig, path, "tiny model, CPU, 1P1D over TCP loopback vs one plain vLLM")
+        common.save_figure(
+            fig, path, f"{model_label}, CPU, 1P1D over TCP loopback vs one plain vLLM"
+        )
 
     return draw
 
@@ -446,23 +460,30 @@ def plot(rows: list[dict]):
 def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: list) -> None:
     """Summarize, write JSON and PNG, print notes and the table."""
     rows = summarize(samples, cells)
+    mla = isinstance(stack.spec, TinyMLASpec)
+    model_label = "tiny MLA model" if mla else "tiny model"
     notes = [
-        "TTFT/ITL/TPOT measured by the client through each setup's front door (proxy or server)"
+        "TTFT/ITL/TPOT measured by the client through each setup's front door (proxy or server)",
+        f"{model_label} {stack.spec.name}: {stack.spec.kv_bytes_per_token} B of KV per token"
+        + (f"; server flags {' '.join(MLA_ARGS)} (block size 16)" if mla else ""),
     ]
     if stack.with_builtin:
         notes.append(WORKAROUND_NOTE)
     settings = {
         **settings,
+        "model": stack.spec.name,
+        "kv_bytes_per_token": stack.spec.kv_bytes_per_token,
         "output_tokens": OUTPUT_TOKENS,
         "configs": [c for c in CONFIGS if c in stack.urls],
     }
     paths = common.write_result(
-        out_dir, "serving", settings=settings, samples=samples + cells, rows=rows,
-        notes=notes, plot=plot(rows),
+        out_dir, "serving_mla" if mla else "serving", settings=settings,
+        samples=samples + cells, rows=rows, notes=notes, plot=plot(rows, model_label),
     )  # fmt: skip
     for note in notes:
         print(f"note: {note}")
-    common.report("serving: plain vs ours vs built-in (TTFT/TPOT/ITL in ms)", rows, paths)
+    title = f"serving, {model_label}: plain vs ours vs built-in (TTFT/TPOT/ITL in ms)"
+    common.report(title, rows, paths)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,13 +494,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="interleaving rounds per cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-builtin", action="store_true", help="skip vLLM's built-in connector")
+    ap.add_argument("--mla", action="store_true", help="the tiny MLA model instead of the Llama")
     args = ap.parse_args(argv)
     lengths = args.lengths or ([256, 1024, 2048] if args.full else [256, 1024])
     requests = args.requests or (24 if args.full else 8)
     rounds = args.rounds or (4 if args.full else 2)
     workdir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-bench-serving-"))
     log_dir = workdir / "logs"
-    stack = Stack(not args.no_builtin, workdir, log_dir)
+    spec = TinyMLASpec() if args.mla else TinyModelSpec()
+    stack = Stack(not args.no_builtin, workdir, log_dir, spec)
     print(
         f"starting servers (logs in {log_dir}); vLLM takes minutes to start on 2 cores", flush=True
     )

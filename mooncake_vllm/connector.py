@@ -26,7 +26,12 @@ from mooncake_vllm.config import load_settings, resolve
 from mooncake_vllm.lease_service import RankLayout
 from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.protocol import MemSegment
-from mooncake_vllm.scheduler import SchedulerHalf, engine_compat_hash
+from mooncake_vllm.scheduler import (
+    SchedulerHalf,
+    engine_compat_hash,
+    engine_kv_layout,
+    kv_is_replicated,
+)
 from mooncake_vllm.stats import MooncakePromMetrics, MooncakeStats
 from mooncake_vllm.step_metadata import MooncakeConnectorMetadata, MooncakeWorkerMeta
 
@@ -70,8 +75,15 @@ class MooncakeConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker = None
         compat = engine_compat_hash(vllm_config)
+        replicated = kv_is_replicated(vllm_config)  # MLA: any TP size on either side
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(self._cfg, vllm_config.cache_config.block_size, compat)
+            self._scheduler = SchedulerHalf(
+                self._cfg,
+                vllm_config.cache_config.block_size,
+                compat,
+                kv_layout=engine_kv_layout(vllm_config),
+                kv_replicated=replicated,
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -83,6 +95,7 @@ class MooncakeConnector(KVConnectorBase_V1):
                 get_tensor_model_parallel_rank(),
                 compat,
                 kv_cache_config.num_blocks,
+                kv_replicated=replicated,
             )
 
     # ---- worker side ---------------------------------------------------------------------

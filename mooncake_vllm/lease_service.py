@@ -7,8 +7,12 @@ in microseconds even when a worker is deep in a long prefill. The workers only r
 memory (the layout reaches us through vLLM's handshake metadata) and report the requests whose
 leases ended as finished-sending, which frees the blocks (``MooncakeConnectorMetadata``).
 
-One ``LeaseTable`` and one side channel per TP rank: consumer rank r pulls rank r's shard and
-releases it; a request's blocks are freed once every rank's lease has ended.
+One side channel per TP rank. Per-head K/V is sharded by rank: one ``LeaseTable`` per rank,
+consumer rank r pulls rank r's shard and releases it, and a request's blocks are freed once every
+rank's lease has ended. An MLA latent is replicated (every rank holds all of it): one table for all
+ranks, each consumer rank pulls the latent once from one producer rank
+(``planning.producer_rank_for``), and the request's blocks — on every producer rank — are freed
+when all consumer ranks have released it.
 """
 
 from __future__ import annotations
@@ -47,11 +51,13 @@ class RankLayout:
 
 
 class LeaseService:
-    def __init__(self, cfg: ConnectorConfig, on_end: Callable[[], None]):
+    def __init__(
+        self, cfg: ConnectorConfig, on_end: Callable[[], None], kv_replicated: bool = False
+    ):
         s = cfg.settings
         self._tp_size = cfg.tp_size
         self._lock = threading.Lock()
-        self._ended_ranks: Counter[str] = Counter()  # req id -> ranks whose lease ended
+        self._ended_ranks: Counter[str] = Counter()  # req id -> tables whose lease ended
         self._layouts: dict[int, RankLayout] = {}
         self._tables = [
             LeaseTable(
@@ -62,12 +68,14 @@ class LeaseService:
                 pull_hold_s=s.load_timeout_s + s.stall_timeout_s + 5.0,
                 on_end=on_end,
             )
-            for _ in range(cfg.tp_size)
+            for _ in range(1 if kv_replicated else cfg.tp_size)
         ]
+        # The table serving each rank's side channel (the one shared table when replicated).
+        self._table_of_rank = [self._tables[r % len(self._tables)] for r in range(cfg.tp_size)]
         self._servers: list[SideChannelServer] = []
         self._reported_dead = False
         try:
-            for rank, table in enumerate(self._tables):
+            for rank, table in enumerate(self._table_of_rank):
                 self._servers.append(
                     SideChannelServer(
                         cfg.host,
@@ -108,19 +116,19 @@ class LeaseService:
                     dead,
                 )
             return False
-        for rank, table in enumerate(self._tables):
+        for rank, table in enumerate(self._tables):  # a shared table: rank 0's bytes per rank
             nbytes = len(block_ids) * self._layouts[rank].bytes_per_block
             table.add(req_id, transfer_id, block_ids, nbytes)
         return True
 
     def take_finished(self) -> set[str]:
-        """Requests whose lease has ended on every rank: their blocks can be freed."""
+        """Requests whose lease has ended in every table: their blocks can be freed."""
         done = set()
         with self._lock:
             for table in self._tables:
                 for req_id in table.take_finished():
                     self._ended_ranks[req_id] += 1
-                    if self._ended_ranks[req_id] == self._tp_size:
+                    if self._ended_ranks[req_id] == len(self._tables):
                         del self._ended_ranks[req_id]
                         done.add(req_id)
         return done
@@ -135,7 +143,9 @@ class LeaseService:
 
     @property
     def held_bytes(self) -> int:
-        return sum(table.held_bytes for table in self._tables)
+        """KV bytes held on all ranks (a shared table's leases are held on every rank)."""
+        per_table_ranks = self._tp_size // len(self._tables)
+        return per_table_ranks * sum(table.held_bytes for table in self._tables)
 
     def _freeze_hook(self, rank: int) -> Callable[[str], None]:
         def freeze(transfer_id: str) -> None:

@@ -10,6 +10,12 @@ Lifecycle: ``HELD --acquire--> PULLING --release--> ENDED``; HELD/PULLING --ttl/
 A PULLING lease is not evicted, and expires only at its pull deadline, so a live copy is never
 pulled from under the consumer.
 
+Readers: a lease is pulled by one consumer rank (per-head K/V: one table per producer rank, rank r
+pulls rank r), or by every consumer rank (an MLA latent is replicated across TP ranks: one table
+serves all producer ranks, and the first ``Acquire`` says how many consumer ranks will read). It
+ends when all its readers have released it; until then it stays pinned (or expires at the pull
+deadline if a reader never comes).
+
 Thread-safe: the side-channel thread and the worker's step thread both use it.
 """
 
@@ -38,6 +44,10 @@ class Lease:
     deadline_s: float
     state: LeaseState = LeaseState.HELD
     end_reason: str = ""
+    readers: int = 1  # consumer ranks that pull it, set by the first acquire
+    acquired: int = 0
+    released: int = 0
+    failed: bool = False  # a reader released it with its pull failed
 
 
 class LeaseTable:
@@ -73,27 +83,39 @@ class LeaseTable:
             )
             self._enforce_budget()
 
-    def acquire(self, transfer_id: str, block_ids: list[int]) -> Lease | str | None:
-        """The lease, now PULLING; or a refusal reason; or None if the id is unknown."""
+    def acquire(
+        self, transfer_id: str, block_ids: list[int], readers: int = 1
+    ) -> Lease | str | None:
+        """The lease, now PULLING; or a refusal reason; or None if the id is unknown.
+
+        ``readers`` (from the first acquire): how many acquires the lease grants in all."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
                 reason = self._ended.get(transfer_id)
                 return f"transfer {transfer_id} already {reason}" if reason else None
-            if lease.state is LeaseState.PULLING:
+            if lease.state is LeaseState.PULLING and lease.acquired >= lease.readers:
                 return f"transfer {transfer_id} is already being pulled"
             if not set(block_ids) <= set(lease.block_ids):
                 return f"transfer {transfer_id}: requested blocks are not part of the lease"
+            if lease.state is LeaseState.HELD:
+                lease.readers = max(1, readers)
+            lease.acquired += 1
             lease.state = LeaseState.PULLING
             lease.deadline_s = self._clock() + self._pull_hold_s
             return lease
 
-    def release(self, transfer_id: str, reason: str = "released") -> bool:
+    def release(self, transfer_id: str, ok: bool = True) -> bool:
+        """A reader is done (``ok`` false: its pull failed). The lease ends with the last
+        reader's release, or at once if nobody acquired it (the consumer needs nothing)."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
                 return False
-            self._end(lease, reason)
+            lease.released += 1
+            lease.failed = lease.failed or not ok
+            if lease.state is LeaseState.HELD or lease.released >= lease.readers:
+                self._end(lease, "pull failed" if lease.failed else "released")
             return True
 
     def expire(self) -> None:

@@ -6,6 +6,8 @@ such as an MLA layer's ``(num_blocks, 1, block_size, latent)`` gives one). Only 
 shapes and strides are read, so any layout vLLM allocates is planned as it is. A pull copies, for
 every segment, remote block ``r[i]`` to local block ``l[i]``; consecutive copies that are contiguous
 on both sides are merged, and the result is cut into batches the transfer engine accepts.
+
+Which producer rank a consumer rank reads (``producer_rank_for``) is decided here too.
 """
 
 from __future__ import annotations
@@ -82,3 +84,27 @@ def plan_regions(
                     continue
             regions.append(Region(src_addr, dst_addr, s.block_len))
     return regions
+
+
+def producer_rank_for(
+    consumer_rank: int, consumer_tp_size: int, producer_tp_size: int, kv_replicated: bool
+) -> int:
+    """The producer TP rank that consumer TP rank ``consumer_rank`` pulls its KV from.
+
+    Per-head K/V is sharded by head across TP ranks: both sides must have the same TP size, and
+    rank r holds (and pulls) shard r. An MLA latent is replicated: every producer rank holds the
+    whole latent, so each consumer rank pulls it once, from one producer rank, whatever the two
+    TP sizes are; consumer ranks are spread over producer ranks (r mod producer TP size).
+    """
+    if not 0 <= consumer_rank < consumer_tp_size:
+        raise PlanError(f"consumer rank {consumer_rank} outside TP size {consumer_tp_size}")
+    if producer_tp_size < 1:
+        raise PlanError(f"producer TP size {producer_tp_size} must be at least 1")
+    if kv_replicated:
+        return consumer_rank % producer_tp_size
+    if producer_tp_size != consumer_tp_size:
+        raise PlanError(
+            f"per-head K/V is sharded by TP rank: producer TP {producer_tp_size} cannot serve "
+            f"consumer TP {consumer_tp_size}"
+        )
+    return consumer_rank

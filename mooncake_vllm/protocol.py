@@ -31,10 +31,13 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     # ``producer_engine_id`` in the engine registry (needs a metadata store on the consumer).
     side_channel_host: str = ""
     side_channel_ports: list[int] = []
+    producer_tp_size: int
     remote_block_ids: list[int]
     prompt_len: int
     block_size: int
     compat_hash: str
+    # The producer's KV layout in words (``kv_layout``), for the error when the hashes differ.
+    kv_layout: str = ""
 
     def to_params(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -57,18 +60,40 @@ def parse_handoff(params: dict[str, Any]) -> Handoff:
             "side_channel_host and side_channel_ports go together (give both, or neither to "
             "look the producer up by producer_engine_id)"
         )
+    if h.producer_tp_size < 1:
+        raise HandoffError(f"producer_tp_size {h.producer_tp_size} must be at least 1")
+    if h.side_channel_ports and len(h.side_channel_ports) != h.producer_tp_size:
+        raise HandoffError(
+            f"{len(h.side_channel_ports)} side_channel_ports for producer_tp_size "
+            f"{h.producer_tp_size} (one port per producer TP rank)"
+        )
     return h
 
 
 def validate_handoff(
-    h: Handoff, *, prompt_len: int, block_size: int, compat_hash: str, tp_size: int
+    h: Handoff,
+    *,
+    prompt_len: int,
+    block_size: int,
+    compat_hash: str,
+    tp_size: int,
+    kv_layout: str = "",
+    kv_replicated: bool = False,
 ) -> None:
-    """Check a handoff against the request and this consumer; raises HandoffError."""
+    """Check a handoff against the request and this consumer; raises HandoffError.
+
+    ``kv_replicated``: this consumer's KV is the same on every TP rank (MLA), so a producer of
+    any TP size can serve it (the compat hash then leaves the TP size out)."""
     if h.compat_hash != compat_hash:
+        layouts = (
+            f"; producer: {h.kv_layout}, this consumer: {kv_layout}"
+            if h.kv_layout and kv_layout
+            else ""
+        )
         raise HandoffError(
             f"compat hash mismatch: producer {h.compat_hash[:12]}, consumer {compat_hash[:12]} "
             "(different model, dtype, KV dtype, block size, TP size or KV layout: MLA latent "
-            "vs per-head K/V, or another MLA latent width)"
+            f"vs per-head K/V, or another MLA latent width){layouts}"
         )
     if h.prompt_len != prompt_len:
         raise HandoffError(f"prompt length {prompt_len} differs from the producer's {h.prompt_len}")
@@ -79,8 +104,11 @@ def validate_handoff(
         raise HandoffError(
             f"{len(h.remote_block_ids)} remote blocks for {prompt_len} tokens, expected {need}"
         )
-    if h.side_channel_ports and len(h.side_channel_ports) != tp_size:
-        raise HandoffError(f"producer has {len(h.side_channel_ports)} TP ranks, consumer {tp_size}")
+    if not kv_replicated and h.producer_tp_size != tp_size:
+        raise HandoffError(
+            f"producer has {h.producer_tp_size} TP ranks, consumer {tp_size}: per-head K/V is "
+            "sharded by TP rank, so both sides need the same TP size"
+        )
 
 
 def compat_hash(**fields: Any) -> str:
@@ -164,10 +192,15 @@ class MemSegment(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
-    """Consumer → producer: pin the lease and tell me where its blocks are."""
+    """Consumer → producer: pin the lease and tell me where its blocks are.
+
+    ``readers``: how many consumer ranks will pull this lease (and each release it). 1 for
+    per-head K/V (rank r pulls rank r's shard); the consumer's TP size for an MLA latent, which
+    every producer rank holds whole, so all consumer ranks share one lease (``LeaseTable``)."""
 
     transfer_id: str
     remote_block_ids: list[int]
+    readers: int = 1
 
 
 class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):

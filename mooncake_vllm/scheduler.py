@@ -7,8 +7,8 @@ and returns the ``Handoff`` as ``kv_transfer_params``.
 Consumer: ``get_num_new_matched_tokens`` claims the prompt tokens the local prefix cache lacks as
 an asynchronous external load; ``update_state_after_alloc`` validates the handoff and records the
 destination blocks. A handoff that fails validation is still claimed and then reported failed by
-the worker, so vLLM's ``kv_load_failure_policy`` (recompute or fail) decides for every bad
-handoff alike.
+the worker (which reads nothing and releases the producer's lease), so vLLM's
+``kv_load_failure_policy`` (recompute or fail) decides for every bad handoff alike.
 
 Late writes: the transfer engine cannot cancel a read, and a pull can be reported failed at its
 deadline while entries are still in flight (a frozen producer). The destination blocks are
@@ -65,19 +65,43 @@ MAX_REST_S = 10.0
 _HANDOVER_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
+def kv_is_replicated(vllm_config: VllmConfig) -> bool:
+    """An MLA engine's KV (one latent per token) is the same on every TP rank."""
+    return bool(vllm_config.model_config.use_mla)
+
+
+def _mla_latent(vllm_config: VllmConfig) -> list[int] | None:
+    if not kv_is_replicated(vllm_config):
+        return None
+    hf = vllm_config.model_config.hf_text_config
+    return [hf.kv_lora_rank, hf.qk_rope_head_dim]
+
+
+def engine_kv_layout(vllm_config: VllmConfig) -> str:
+    """The engine's KV layout in words, for the error a mismatched handoff gets."""
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    layers = mc.get_num_layers(pc)
+    if (latent := _mla_latent(vllm_config)) is not None:
+        kv = f"MLA latent {latent[0]}+{latent[1]} (any TP size)"
+    else:
+        kv = (
+            f"per-head K/V {mc.get_num_kv_heads(pc)} heads x {mc.get_head_size()} "
+            f"(TP {pc.tensor_parallel_size})"
+        )
+    return f"{kv}, {layers} layers, {mc.dtype}, KV {cc.cache_dtype}, block {cc.block_size}"
+
+
 def engine_compat_hash(vllm_config: VllmConfig) -> str:
     from vllm.platforms import current_platform
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    use_mla = bool(mc.use_mla)
-    mla_latent = None
-    if use_mla:
-        # An MLA layer caches one latent per token, [kv_lora_rank | qk_rope_head_dim] values,
-        # instead of K and V per head. Named here, not left to head_size and kv_heads to imply:
-        # a per-head K/V block and a latent block, or latents of another width or split, must
-        # never validate against each other.
-        hf = mc.hf_text_config
-        mla_latent = [hf.kv_lora_rank, hf.qk_rope_head_dim]
+    use_mla = kv_is_replicated(vllm_config)
+    # An MLA layer caches one latent per token, [kv_lora_rank | qk_rope_head_dim] values, instead
+    # of K and V per head. Named here, not left to head_size and kv_heads to imply: a per-head K/V
+    # block and a latent block, or latents of another width or split, must never validate
+    # against each other. The latent is replicated across TP ranks, so its layout does not depend
+    # on the TP size: MLA engines of any TP sizes validate against each other.
+    mla_latent = _mla_latent(vllm_config)
     return compat_hash(
         architectures=getattr(mc.hf_config, "architectures", None),
         layers=mc.get_num_layers(pc),
@@ -88,18 +112,27 @@ def engine_compat_hash(vllm_config: VllmConfig) -> str:
         dtype=str(mc.dtype),
         kv_dtype=cc.cache_dtype,
         block_size=cc.block_size,
-        tp_size=pc.tensor_parallel_size,
+        tp_size=None if use_mla else pc.tensor_parallel_size,
         device=current_platform.device_type,
     )
 
 
 class SchedulerHalf:
     def __init__(
-        self, cfg: ConnectorConfig, block_size: int, compat_hash: str, remember_ids: int = 65536
+        self,
+        cfg: ConnectorConfig,
+        block_size: int,
+        compat_hash: str,
+        remember_ids: int = 65536,
+        *,
+        kv_layout: str = "",
+        kv_replicated: bool = False,
     ):
         self._cfg = cfg
         self._block_size = block_size
         self._compat_hash = compat_hash
+        self._kv_layout = kv_layout
+        self._kv_replicated = kv_replicated
         self._loads: dict[str, LoadSpec] = {}
         # Consumer: blocks under a pull (None until vLLM binds its block pool).
         self._pins: BlockPins | None = None
@@ -108,7 +141,9 @@ class SchedulerHalf:
         # Producer: leases and side channels live here, see lease_service.
         self._leases: LeaseService | None = None
         if cfg.is_producer:
-            self._leases = LeaseService(cfg, on_end=self._wake_engine_core)
+            self._leases = LeaseService(
+                cfg, on_end=self._wake_engine_core, kv_replicated=kv_replicated
+            )
         self._waker: WakeForwarder | None = None
         if self._engine_core is not None:
             try:
@@ -196,6 +231,8 @@ class SchedulerHalf:
                 block_size=self._block_size,
                 compat_hash=self._compat_hash,
                 tp_size=self._cfg.tp_size,
+                kv_layout=self._kv_layout,
+                kv_replicated=self._kv_replicated,
             )
         except HandoffError as e:
             return handoff, str(e)  # still release the producer's lease
@@ -229,10 +266,12 @@ class SchedulerHalf:
             producer_engine_id=self._cfg.engine_id,
             side_channel_host=self._cfg.host,
             side_channel_ports=[self._cfg.side_channel_port(r) for r in range(self._cfg.tp_size)],
+            producer_tp_size=self._cfg.tp_size,
             remote_block_ids=prompt_block_ids,
             prompt_len=prompt_len,
             block_size=self._block_size,
             compat_hash=self._compat_hash,
+            kv_layout=self._kv_layout,
         )
         return True, handoff.to_params()
 

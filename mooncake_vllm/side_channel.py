@@ -128,13 +128,13 @@ class SideChannelServer:
         if isinstance(frame, Acquire):
             self._answer_acquire(identity, frame)
         elif isinstance(frame, Release):
-            self._leases.release(frame.transfer_id, "released" if frame.ok else "pull failed")
+            self._leases.release(frame.transfer_id, frame.ok)
             self._send(identity, Released(frame.transfer_id))
         else:
             logger.warning("dropping unexpected side-channel frame %s", type(frame).__name__)
 
     def _answer_acquire(self, identity: bytes, frame: Acquire) -> None:
-        got = self._leases.acquire(frame.transfer_id, frame.remote_block_ids)
+        got = self._leases.acquire(frame.transfer_id, frame.remote_block_ids, frame.readers)
         if isinstance(got, Lease):
             segment, segments = self._layout()
             self._send(identity, Granted(frame.transfer_id, segment, segments))

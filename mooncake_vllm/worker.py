@@ -40,7 +40,7 @@ from mooncake_vllm.local_channels import WakeSender, claim, wake_endpoint
 from mooncake_vllm.metadata import P2P_HANDSHAKE
 from mooncake_vllm.metadata_bridge import MetadataBridge
 from mooncake_vllm.os_threads import name_this_thread
-from mooncake_vllm.planning import plan_regions, tensor_segments
+from mooncake_vllm.planning import plan_regions, producer_rank_for, tensor_segments
 from mooncake_vllm.protocol import (
     Acquire,
     EngineRecord,
@@ -121,9 +121,18 @@ def _memory_location(t: torch.Tensor) -> str:
 
 
 class WorkerHalf:
-    def __init__(self, cfg: ConnectorConfig, tp_rank: int, compat_hash: str, num_blocks: int):
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        tp_rank: int,
+        compat_hash: str,
+        num_blocks: int,
+        kv_replicated: bool = False,
+    ):
         self._cfg = cfg
         self._tp_rank = tp_rank
+        # MLA: the latent is the same on every TP rank (see planning.producer_rank_for).
+        self._kv_replicated = kv_replicated
         self._num_blocks = num_blocks
         self._engine: TransferEngine | None = None
         self._segments: list[MemSegment] = []
@@ -350,12 +359,16 @@ class WorkerHalf:
         acquired = succeeded = False
         try:
             if load.error is not None:
+                if h is not None:  # rejected (e.g. another model's KV): free its lease now
+                    self._releases.submit(self._release_rejected, h)
                 raise PullFailed(load.error)
             assert h is not None and self._engine is not None
             address = self._producer_address(h)
+            # Every consumer rank reads a replicated latent: they share one producer lease.
+            readers = self._cfg.tp_size if self._kv_replicated else 1
             reply = self._client.call(
                 address,
-                Acquire(h.transfer_id, load.remote_block_ids),
+                Acquire(h.transfer_id, load.remote_block_ids, readers),
                 timeout_s=max(0.1, deadline - time.monotonic()),
             )
             if isinstance(reply, Refused):
@@ -411,14 +424,17 @@ class WorkerHalf:
     def _producer_address(self, h: Handoff) -> str:
         """The side channel of the producer rank this worker pulls from: named in the handoff,
         or looked up by the producer's engine id in the engine registry."""
+        rank = producer_rank_for(
+            self._tp_rank, self._cfg.tp_size, h.producer_tp_size, self._kv_replicated
+        )
         if h.side_channel_ports:
-            return f"{h.side_channel_host}:{h.side_channel_ports[self._tp_rank]}"
+            return f"{h.side_channel_host}:{h.side_channel_ports[rank]}"
         if self._bridge is None:
             raise PullFailed(
                 f"the handoff names no side channel for producer {h.producer_engine_id!r} and "
                 "no metadata store is configured to look it up (metadata_server is P2PHANDSHAKE)"
             )
-        data = self._bridge.lookup(registry_key(h.producer_engine_id, self._tp_rank))
+        data = self._bridge.lookup(registry_key(h.producer_engine_id, rank))
         if data is None:
             raise PullFailed(f"producer engine {h.producer_engine_id!r} is not in the registry")
         record = decode_record(data)
@@ -427,6 +443,12 @@ class WorkerHalf:
         if record.compat_hash != h.compat_hash:
             raise PullFailed(f"registry compat hash of {h.producer_engine_id!r} differs")
         return record.side_channel
+
+    def _release_rejected(self, h: Handoff) -> None:
+        try:
+            self._release(self._producer_address(h), h.transfer_id, False)
+        except Exception as e:  # the producer's lease TTL frees the blocks anyway
+            logger.info("release of rejected transfer %s failed: %s", h.transfer_id, e)
 
     def _release(self, address: str, transfer_id: str, ok: bool) -> None:
         try:

@@ -53,6 +53,33 @@ def test_acquire_of_unknown_id_is_not_refused_yet(clock):
     assert _table(clock).acquire("t-unknown", [1]) is None
 
 
+def test_a_replicated_latent_lease_serves_every_reader_and_ends_with_the_last(clock):
+    # MLA, decode TP2: both decode ranks pull the same lease; it stays pinned until both release.
+    t = _table(clock)
+    t.add("req-1", "t-1", [3, 4], nbytes=100)
+    first = t.acquire("t-1", [3, 4], readers=2)
+    assert first.state is LeaseState.PULLING
+    assert t.acquire("t-1", [3, 4], readers=2) is first
+    assert t.acquire("t-1", [3, 4], readers=2) == "transfer t-1 is already being pulled"
+    assert t.release("t-1") is True
+    assert first.state is LeaseState.PULLING  # the other reader may still be reading
+    assert t.take_finished() == set()
+    assert t.release("t-1", ok=False) is True
+    assert (first.state, first.end_reason) == (LeaseState.ENDED, "pull failed")
+    assert t.take_finished() == {"req-1"}
+
+
+def test_a_reader_that_never_comes_leaves_the_lease_to_its_pull_deadline(clock):
+    t = _table(clock, pull_hold_s=5.0)
+    t.add("req-1", "t-1", [3], nbytes=100)
+    t.acquire("t-1", [3], readers=2)
+    t.release("t-1")
+    clock.now_s += 5.0
+    t.expire()
+    assert t.take_finished() == {"req-1"}
+    assert t.ended_counts == {"expired": 1}
+
+
 def test_acquire_of_part_of_the_lease(clock):
     t = _table(clock)
     t.add("req-1", "t-1", [3, 4, 5], nbytes=100)

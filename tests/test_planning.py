@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_vllm.planning import PlanError, Region, plan_regions, tensor_segments
+from mooncake_vllm.planning import (
+    PlanError,
+    Region,
+    plan_regions,
+    producer_rank_for,
+    tensor_segments,
+)
 from mooncake_vllm.protocol import (
     MemSegment,
 )
@@ -279,3 +285,37 @@ def test_region_bytes_equal_the_sum_of_block_bytes(src_ids, dst_ids):
 def test_mismatched_plans_are_refused(src, dst, src_ids, dst_ids, match):
     with pytest.raises(PlanError, match=match):
         plan_regions(src, dst, src_ids, dst_ids)
+
+
+# ---- which producer rank a consumer rank pulls from ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("consumer_tp", "producer_tp", "expected"),
+    [
+        (1, 1, [0]),
+        (2, 2, [0, 1]),  # each decode rank reads the latent once, from one prefill rank
+        (1, 2, [0]),  # prefill TP2 -> decode TP1: prefill rank 1 is not read
+        (2, 1, [0, 0]),  # prefill TP1 -> decode TP2: both decode ranks read rank 0
+        (4, 2, [0, 1, 0, 1]),  # spread over the producer ranks
+        (2, 4, [0, 1]),
+    ],
+)
+def test_an_mla_consumer_rank_pulls_the_replicated_latent_from_one_producer_rank(
+    consumer_tp, producer_tp, expected
+):
+    ranks = [producer_rank_for(r, consumer_tp, producer_tp, True) for r in range(consumer_tp)]
+    assert ranks == expected
+
+
+def test_per_head_kv_is_pulled_rank_to_rank_and_needs_equal_tp_sizes():
+    assert [producer_rank_for(r, 2, 2, False) for r in range(2)] == [0, 1]
+    for consumer_tp, producer_tp in ((1, 2), (2, 1)):
+        with pytest.raises(PlanError, match="per-head K/V is sharded"):
+            producer_rank_for(0, consumer_tp, producer_tp, False)
+
+
+@pytest.mark.parametrize(("rank", "consumer_tp", "producer_tp"), [(2, 2, 2), (-1, 2, 2), (0, 1, 0)])
+def test_rank_selection_refuses_impossible_ranks(rank, consumer_tp, producer_tp):
+    with pytest.raises(PlanError):
+        producer_rank_for(rank, consumer_tp, producer_tp, True)

