@@ -12,8 +12,8 @@ return. The contract with the connector lives in two functions:
 from __future__ import annotations
 
 import json
+import os
 import re
-import uuid
 from typing import Any
 
 import msgspec
@@ -134,7 +134,7 @@ def wants_stream(body: dict[str, Any]) -> bool:
 
 
 def new_transfer_id() -> str:
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # as unique as uuid4().hex, without building a UUID
 
 
 def without_client_handoff(body: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +220,7 @@ def request_id_from(client_value: str | None) -> str:
         and _REQUEST_ID_PATTERN.fullmatch(client_value)
     ):
         return client_value
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 def backend_headers(
