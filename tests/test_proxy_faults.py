@@ -1,6 +1,7 @@
 """The proxy against fake vLLM servers: what a client sees when backends work, fail, hang or vanish.
 
-The proxy runs for real (hypercorn on a loopback port, as ``mooncake-vllm-proxy`` runs it); the
+The proxy runs for real (its default server on a loopback port, as ``mooncake-vllm-proxy`` runs it;
+the other ``--server`` choices in ``test_every_server_streams_and_sees_the_client_leave``); the
 backends are small aiohttp servers speaking the OpenAI shapes vLLM speaks, recording what they get.
 No vLLM is started: these tests take seconds.
 """
@@ -453,6 +454,30 @@ async def test_client_disconnect_mid_stream_closes_the_decode_stream(
         return await metric_value(client, proxy, gauge) == 0.0
 
     await eventually(idle, timeout_s=3)
+
+
+@pytest.mark.parametrize("server", ["granian", "uvicorn", "hypercorn"])
+async def test_every_server_streams_and_sees_the_client_leave(
+    fakes, prefill, decode, start_proxy, client, server
+):
+    proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url], server=server)
+    body = {"prompt": "x", "stream": True}
+    async with client.post(proxy + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        assert await resp.read() == b"".join(FakeVllm.sse_chunks())
+    async with client.post(proxy + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"]
+    streamed, whole = decode.generation_requests()
+    assert streamed.body == {**body, "kv_transfer_params": HANDOFF}
+    assert whole.body == {"prompt": "x", "kv_transfer_params": HANDOFF}
+    endless = await fakes("decode", endless_stream=True)
+    proxy = await start_proxy(prefill=[prefill.url], decode=[endless.url], server=server)
+    resp = await client.post(proxy + "/v1/completions", json=body)
+    assert resp.status == 200
+    await asyncio.wait_for(resp.content.readuntil(b"\n\n"), timeout=3)
+    resp.close()  # the client goes away: the decode stream must close
+    await asyncio.wait_for(endless.stream_closed.wait(), timeout=3)
 
 
 async def test_stream_past_the_request_deadline_ends_with_a_timeout_event(
