@@ -137,7 +137,13 @@ def test_a_hot_prefix_cannot_swamp_one_backend():
     loads = dict.fromkeys(URLS, 0)
     for _ in range(100):
         loads[prefix.choose(RING, KEYS[0], loads, URLS)] += 1
-    # The owner and the next on the ring fill to capacity (1.25 x the mean), the third the rest.
+    # The owner fills to capacity (2 x the mean: 67 of 100), the next one on the ring takes the
+    # rest; at 1.25 x the mean the owner and the next would stop at 42 each.
+    assert sorted(loads.values()) == [0, 33, 67], loads
+    assert max(loads.values()) <= prefix.capacity(99, 3, prefix.DEFAULT_LOAD_FACTOR)
+    loads = dict.fromkeys(URLS, 0)
+    for _ in range(100):
+        loads[prefix.choose(RING, KEYS[0], loads, URLS, load_factor=1.25)] += 1
     assert sorted(loads.values()) == [16, 42, 42], loads
 
 

@@ -1,4 +1,4 @@
-"""The ASGI servers the Quart app can run on: granian (default), uvicorn, hypercorn.
+"""The ASGI servers the Quart app can run on: uvicorn (default), granian, hypercorn.
 
 All three serve the same app in the caller's event loop until ``shutdown_trigger`` returns, then
 stop accepting connections and give running requests ``grace_s`` to finish. They differ only in
@@ -23,12 +23,13 @@ ShutdownTrigger = Callable[[], Awaitable[object]]
 
 
 class HttpServer(str, enum.Enum):
-    GRANIAN = "granian"
     UVICORN = "uvicorn"
+    GRANIAN = "granian"
     HYPERCORN = "hypercorn"
 
 
-DEFAULT_HTTP_SERVER = HttpServer.GRANIAN
+# The fastest in benchmarks.proxy (README, "Proxy cost"): uvicorn with httptools on uvloop.
+DEFAULT_HTTP_SERVER = HttpServer.UVICORN
 
 
 def _bracket(host: str) -> str:
@@ -115,7 +116,7 @@ async def _until_trigger(
 
 
 SERVE = {
-    HttpServer.GRANIAN: serve_granian,
     HttpServer.UVICORN: serve_uvicorn,
+    HttpServer.GRANIAN: serve_granian,
     HttpServer.HYPERCORN: serve_hypercorn,
 }

@@ -1,4 +1,4 @@
-"""The proxy's command line and serving it (granian by default; see ``http_servers``).
+"""The proxy's command line and serving it (uvicorn by default; see ``http_servers``).
 
     mooncake-vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
