@@ -497,6 +497,26 @@ async def test_stream_past_the_request_deadline_ends_with_a_timeout_event(
     await asyncio.wait_for(decode.stream_closed.wait(), timeout=3)
 
 
+async def test_prefix_policy_sends_a_shared_prefix_to_one_prefill(
+    fakes, decode, start_proxy, client
+):
+    prefills = [await fakes("prefill") for _ in range(2)]
+    proxy = await start_proxy(
+        prefill=[p.url for p in prefills], decode=[decode.url], policy="prefix"
+    )
+    systems = [f"System prompt {i}: answer as team {i} would. " * 8 for i in range(8)]
+    for turn in range(3):  # every system prompt, three turns each
+        for system in systems:
+            body = {"prompt": system + " Q" * (turn + 1), "max_tokens": 2}
+            async with client.post(proxy + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+    seen = {p.url: {r.body["prompt"][:40] for r in p.generation_requests()} for p in prefills}
+    # Each system prompt went to one prefill only, and both prefills got some.
+    assert not (seen[prefills[0].url] & seen[prefills[1].url])
+    assert all(seen.values())
+    assert sum(len(p.generation_requests()) for p in prefills) == 3 * len(systems)
+
+
 async def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(
     fakes, prefill, start_proxy, client
 ):
