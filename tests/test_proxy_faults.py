@@ -1,6 +1,7 @@
 """The proxy against fake vLLM servers: what a client sees when backends work, fail, hang or vanish.
 
-The proxy runs for real (hypercorn on a loopback port, as ``mooncake-vllm-proxy`` runs it); the
+The proxy runs for real (its default server on a loopback port, as ``mooncake-vllm-proxy`` runs it;
+the other ``--server`` choices in ``test_every_server_streams_and_sees_the_client_leave``); the
 backends are small aiohttp servers speaking the OpenAI shapes vLLM speaks, recording what they get.
 No vLLM is started: these tests take seconds.
 """
@@ -455,6 +456,30 @@ async def test_client_disconnect_mid_stream_closes_the_decode_stream(
     await eventually(idle, timeout_s=3)
 
 
+@pytest.mark.parametrize("server", ["granian", "uvicorn", "hypercorn"])
+async def test_every_server_streams_and_sees_the_client_leave(
+    fakes, prefill, decode, start_proxy, client, server
+):
+    proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url], server=server)
+    body = {"prompt": "x", "stream": True}
+    async with client.post(proxy + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        assert await resp.read() == b"".join(FakeVllm.sse_chunks())
+    async with client.post(proxy + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"]
+    streamed, whole = decode.generation_requests()
+    assert streamed.body == {**body, "kv_transfer_params": HANDOFF}
+    assert whole.body == {"prompt": "x", "kv_transfer_params": HANDOFF}
+    endless = await fakes("decode", endless_stream=True)
+    proxy = await start_proxy(prefill=[prefill.url], decode=[endless.url], server=server)
+    resp = await client.post(proxy + "/v1/completions", json=body)
+    assert resp.status == 200
+    await asyncio.wait_for(resp.content.readuntil(b"\n\n"), timeout=3)
+    resp.close()  # the client goes away: the decode stream must close
+    await asyncio.wait_for(endless.stream_closed.wait(), timeout=3)
+
+
 async def test_stream_past_the_request_deadline_ends_with_a_timeout_event(
     fakes, prefill, start_proxy, client
 ):
@@ -470,6 +495,26 @@ async def test_stream_past_the_request_deadline_ends_with_a_timeout_event(
     assert last["error"]["type"] == "timeout"
     assert "timed out after 1s (--timeout-s)" in last["error"]["message"]
     await asyncio.wait_for(decode.stream_closed.wait(), timeout=3)
+
+
+async def test_prefix_policy_sends_a_shared_prefix_to_one_prefill(
+    fakes, decode, start_proxy, client
+):
+    prefills = [await fakes("prefill") for _ in range(2)]
+    proxy = await start_proxy(
+        prefill=[p.url for p in prefills], decode=[decode.url], policy="prefix"
+    )
+    systems = [f"System prompt {i}: answer as team {i} would. " * 8 for i in range(8)]
+    for turn in range(3):  # every system prompt, three turns each
+        for system in systems:
+            body = {"prompt": system + " Q" * (turn + 1), "max_tokens": 2}
+            async with client.post(proxy + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+    seen = {p.url: {r.body["prompt"][:40] for r in p.generation_requests()} for p in prefills}
+    # Each system prompt went to one prefill only, and both prefills got some.
+    assert not (seen[prefills[0].url] & seen[prefills[1].url])
+    assert all(seen.values())
+    assert sum(len(p.generation_requests()) for p in prefills) == 3 * len(systems)
 
 
 async def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(

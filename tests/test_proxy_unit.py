@@ -360,6 +360,11 @@ def test_help_lists_every_flag():
         "--log-level",
         "round_robin",
         "least_outstanding",
+        "prefix",
+        "--server",
+        "granian",
+        "uvicorn",
+        "hypercorn",
     ):
         assert flag in text
 
@@ -409,3 +414,40 @@ def test_backend_url_normalization(url, normalized):
 def test_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match="bogus"):
         ProxyConfig(prefill=["http://h:1"], decode=["http://h:2"], bogus=1)
+
+
+# ---- the decode body passed through -------------------------------------------------------------
+
+HANDOFF = {"transfer_id": "t1", "remote_block_ids": [0, 1]}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "caf\\u00e9 \xc3\xa9", "max_tokens": 3, "temperature": 0.7}',
+        b'{"prompt":[1,2,3],"stream":true}  \n',
+        b'{"messages": [{"role": "user", "content": "}"}], "n": 1}',
+        b'{"prompt": "x", "kv_transfer_params": {"transfer_id": "forged"}}',  # rebuilt
+        b'{"prompt": "x", "big": 123456789012345678901234567890}',
+    ],
+)
+@pytest.mark.parametrize("handoff", [HANDOFF, None])
+def test_decode_body_bytes_equals_the_built_decode_body(raw, handoff):
+    body = rewrite.parse_body(raw)
+    sent = rewrite.decode_body_bytes(raw, body, handoff)
+    assert rewrite.parse_body(sent) == rewrite.build_decode_body(body, handoff)
+    if "kv_transfer_params" not in body:
+        assert sent.startswith(raw.rstrip()[:-1])  # the client's bytes, not re-serialised
+
+
+def test_server_flag_and_startup_line():
+    from mooncake_vllm.proxy.http_servers import DEFAULT_HTTP_SERVER, HttpServer
+    from mooncake_vllm.proxy.server import startup_line
+
+    assert parse_args([]).server is DEFAULT_HTTP_SERVER
+    cfg = parse_args(["--server", "hypercorn", "--host", "::1", "--port", "9"])
+    assert cfg.server is HttpServer.HYPERCORN
+    assert startup_line(cfg) == (
+        "serving on http://[::1]:9 (hypercorn), prefill http://localhost:8100, "
+        "decode http://localhost:8200, policy round_robin"
+    )

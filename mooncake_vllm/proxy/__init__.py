@@ -1,13 +1,15 @@
 """The prefill/decode proxy: clients talk to it; it prefills on one vLLM and decodes on another.
 
-One module per concern; the first three are pure:
+One module per concern; the first four are pure:
 
 - ``rewrite``: request bodies and headers of the two legs; ``routing``: backend choice and health
-  state; ``config``: the validated settings;
+  state; ``prefix``: the prefix key and the bounded-load hash ring of ``--policy prefix``;
+  ``config``: the validated settings;
 - ``errors``: what a client can get, and what a failed backend call means;
 - ``failover``: the pools, the HTTP session, and the one failover path both legs take;
 - ``legs``: the prefill leg and the decode leg; ``stream``: relaying a streamed decode answer;
 - ``health``: the background prober; ``metrics``: the Prometheus metrics; ``discovery``: pools
   that follow the engine registry (``--discover``);
-- ``app``: the Quart app and its routes; ``server``: the command line (``mooncake-vllm-proxy``).
+- ``app``: the Quart app and its routes; ``http_servers``: the ASGI servers it runs on (uvicorn,
+  granian, hypercorn); ``server``: the command line (``mooncake-vllm-proxy``).
 """

@@ -26,6 +26,7 @@ client goes away mid-stream             the decode connection is closed, so vLLM
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -44,6 +45,8 @@ from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.health import HealthProber, health_report, healthy
 from mooncake_vllm.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_vllm.proxy.metrics import ProxyMetrics
+from mooncake_vllm.proxy.prefix import prefix_key
+from mooncake_vllm.proxy.routing import Policy
 from mooncake_vllm.proxy.stream import DecodeStream
 
 logger = logging.getLogger("mooncake_vllm.proxy")
@@ -56,10 +59,13 @@ def json_response(body: dict[str, Any], status: int) -> Response:
 # ---- one client request -------------------------------------------------------------------------
 
 
-async def generate(backends: Backends, ctx: RequestContext, body: dict[str, Any]) -> Response:
-    """A completion: the prefill leg, then the decode's answer, read whole or streamed."""
+async def generate(
+    backends: Backends, ctx: RequestContext, body: dict[str, Any], raw: bytes
+) -> Response:
+    """A completion (``body`` parsed from the client's ``raw`` bytes): the prefill leg, then the
+    decode's answer, read whole or streamed."""
     outcome = await legs.prefill(backends, ctx, body)
-    decode_body = rewrite.build_decode_body(body, outcome.kv_transfer_params)
+    decode_body = rewrite.decode_body_bytes(raw, body, outcome.kv_transfer_params)
     leg = await legs.open_decode(backends, ctx, decode_body)
     status = leg.response.status
     if not 200 <= status < 300:
@@ -157,7 +163,10 @@ def create_app(cfg: ProxyConfig) -> Quart:
             rewrite.validate_body(body, request.path)
         except rewrite.InvalidRequest as e:
             raise ProxyError.of(400, e.message, "invalid_request_error", e.param) from e
-        return await generate(backends, request_context(), body)
+        ctx = request_context()
+        if cfg.policy is Policy.PREFIX:
+            ctx = dataclasses.replace(ctx, prefix_key=prefix_key(body))
+        return await generate(backends, ctx, body, raw)
 
     app.add_url_rule(rewrite.COMPLETIONS_PATH, "completions", generation, methods=["POST"])
     app.add_url_rule(

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mooncake_vllm.metadata import parse_metadata_server
+from mooncake_vllm.proxy.http_servers import DEFAULT_HTTP_SERVER, HttpServer
 from mooncake_vllm.proxy.routing import Policy
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -49,6 +50,7 @@ class ProxyConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     policy: Policy = Policy.ROUND_ROBIN
+    server: HttpServer = DEFAULT_HTTP_SERVER
     api_key: str | None = None
     timeout_s: float = Field(300.0, gt=0)
     prefill_timeout_s: float = Field(120.0, gt=0)

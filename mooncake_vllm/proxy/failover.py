@@ -51,6 +51,14 @@ class RequestContext:
     started_s: float  # time.monotonic() at arrival; --timeout-s counts from here
     path: str  # the client's path, which both legs call on their backend
     backend_headers: Mapping[str, str]
+    # The prompt's prefix key (``prefix.prefix_key``): the prefill pool routes on it under
+    # --policy prefix; None for requests without a prompt.
+    prefix_key: bytes | None = None
+
+    @property
+    def json_headers(self) -> dict[str, str]:
+        """``backend_headers`` for a POST whose body is JSON bytes."""
+        return {**self.backend_headers, "Content-Type": "application/json"}
 
 
 class InFlight:
@@ -116,7 +124,11 @@ class Backends:
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=_CONNECTIONS_PER_BACKEND, keepalive_timeout=_KEEPALIVE_S
         )
-        self._session = aiohttp.ClientSession(connector=connector)
+        # No cookie jar: backends set no cookies, and the jar's per-request bookkeeping showed up
+        # in py-spy profiles of the proxy.
+        self._session = aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar()
+        )
 
     async def close(self) -> None:
         if self._session is not None:
@@ -167,7 +179,7 @@ class Backends:
         tried: list[Backend] = []
         last: BackendFailure | None = None
         while len(tried) < _ATTEMPTS:
-            backend = _pick(pool, tried, last)
+            backend = _pick(pool, tried, last, ctx.prefix_key if role == "prefill" else None)
             deadline = LegDeadline.of(self.cfg, ctx.started_s, prefill=pool.role == "prefill")
             in_flight = InFlight(pool, backend, self.metrics)
             try:
@@ -195,12 +207,13 @@ class Backends:
     ) -> Attempt[Reply]:
         """One short, repeatable call to ``ctx.path`` on the ``role`` pool, read whole."""
 
+        request.setdefault("headers", ctx.backend_headers)
+
         async def send(backend: Backend, deadline: LegDeadline) -> Reply:
             sent_s = time.monotonic()
             async with self.session.request(
                 method,
                 backend.url + ctx.path,
-                headers=ctx.backend_headers,
                 timeout=self.timeout(deadline.timeout_s),
                 **request,
             ) as resp:
@@ -213,9 +226,11 @@ class Backends:
         return attempt
 
 
-def _pick(pool: BackendPool, tried: list[Backend], last: BackendFailure | None) -> Backend:
+def _pick(
+    pool: BackendPool, tried: list[Backend], last: BackendFailure | None, key: bytes | None
+) -> Backend:
     try:
-        return pool.pick(exclude=tried)
+        return pool.pick(exclude=tried, key=key)
     except NoHealthyBackend as e:
         if last is not None:  # the pool ran out while failing over: report the real cause
             raise ProxyError.of(502, last.message, "backend_error") from e

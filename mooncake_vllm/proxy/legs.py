@@ -11,7 +11,6 @@ Both go through ``Backends.call`` (``failover``), which picks the backend and ha
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +50,9 @@ async def prefill(backends: Backends, ctx: RequestContext, body: dict[str, Any])
     connection failure is retried once on another healthy prefill; an HTTP error is not.
     """
     leg_body = rewrite.build_prefill_body(body, ctx.path, rewrite.new_transfer_id())
-    attempt = await backends.read_whole("prefill", ctx, "POST", json=leg_body)
+    attempt = await backends.read_whole(
+        "prefill", ctx, "POST", data=rewrite.encode_json(leg_body), headers=ctx.json_headers
+    )
     backend, reply = attempt.backend, attempt.answer
     backends.metrics.prefill_seconds.labels(backend.url).observe(reply.took_s)
     logger.info("%s prefill %s -> %d", ctx.request_id, backend.url, reply.status)
@@ -69,8 +70,8 @@ def _prefill_outcome(
             reply.status, rewrite.backend_error_body("prefill", reply.status, reply.body)
         )
     try:
-        answer = json.loads(reply.body)
-    except (UnicodeDecodeError, ValueError) as e:
+        answer = rewrite.decode_json(reply.body)
+    except ValueError as e:
         metrics.backend_errors.labels("prefill", backend.url, "bad_answer").inc()
         raise ProxyError.of(
             502, f"prefill backend {backend.url} answered with non-JSON", "backend_error"
@@ -101,8 +102,8 @@ class OpenDecode:
     deadline: LegDeadline
 
 
-async def open_decode(backends: Backends, ctx: RequestContext, body: dict[str, Any]) -> OpenDecode:
-    """Send the decode leg and wait for its status line; the caller owns the result.
+async def open_decode(backends: Backends, ctx: RequestContext, body: bytes) -> OpenDecode:
+    """Send the decode leg (JSON ``body``) and wait for its status line; the caller owns the result.
 
     Only a connection that was never opened is retried on another decode: once the decode
     has the request it may already be pulling the KV, and a transfer id is used once.
@@ -111,8 +112,8 @@ async def open_decode(backends: Backends, ctx: RequestContext, body: dict[str, A
     async def send(backend: Backend, deadline: LegDeadline) -> aiohttp.ClientResponse:
         return await backends.session.post(
             backend.url + ctx.path,
-            json=body,
-            headers=ctx.backend_headers,
+            data=body,
+            headers=ctx.json_headers,
             timeout=backends.timeout(deadline.timeout_s),
         )
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mooncake_vllm.proxy import prefix
+
 # Late health probes in a row before a healthy backend is ejected (see probe_timed_out).
 SLOW_PROBES_TO_EJECT = 3
 
@@ -30,6 +32,8 @@ SLOW_PROBES_TO_EJECT = 3
 class Policy(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_OUTSTANDING = "least_outstanding"
+    # Prefill: by prompt prefix (``prefix.choose``); a pick without a key: least outstanding.
+    PREFIX = "prefix"
 
 
 class NoHealthyBackend(RuntimeError):
@@ -101,14 +105,23 @@ class BackendPool:
         self.backends: tuple[Backend, ...] = tuple(Backend(u, next_probe_at_s=now_s) for u in urls)
         # Index the next round-robin scan starts from; also breaks least-outstanding ties.
         self._next_index = 0
+        self._ring: prefix.Ring | None = None  # built on the first prefix pick
+
+    def _prefix_ring(self) -> prefix.Ring:
+        urls = tuple(b.url for b in self.backends)
+        if self._ring is None or self._ring.urls != urls:  # the pool's members changed
+            self._ring = prefix.Ring.of(urls)
+        return self._ring
 
     # ---- routing --------------------------------------------------------------------------------
 
-    def pick(self, exclude: Iterable[Backend] = ()) -> Backend:
+    def pick(self, exclude: Iterable[Backend] = (), key: bytes | None = None) -> Backend:
         """The backend for the next request; raises NoHealthyBackend when there is none.
 
         Round robin takes the next healthy backend in configured order. Least outstanding takes
-        the healthy backend with the fewest requests in flight, ties going round robin.
+        the healthy backend with the fewest requests in flight, ties going round robin. Prefix
+        takes the backend owning ``key`` (``prefix.prefix_key``) on the hash ring, bounded by
+        load (``prefix.choose``); without a key it is least outstanding.
         """
         excluded = set(exclude)
         count = len(self.backends)
@@ -121,7 +134,13 @@ class BackendPool:
         ]
         if not candidates:
             raise NoHealthyBackend(self.role, count, len(excluded))
-        if self.policy is Policy.LEAST_OUTSTANDING:
+        if self.policy is Policy.PREFIX and key is not None:
+            by_url = {self.backends[i].url: i for i in candidates}
+            in_flight = {url: self.backends[i].in_flight for url, i in by_url.items()}
+            url = prefix.choose(self._prefix_ring(), key, in_flight, by_url.keys())
+            assert url is not None  # candidates is not empty
+            return self.backends[by_url[url]]  # round-robin position untouched
+        if self.policy in (Policy.LEAST_OUTSTANDING, Policy.PREFIX):
             # min() keeps the first of equals, i.e. the earliest in round-robin order.
             chosen = min(candidates, key=lambda i: self.backends[i].in_flight)
         else:

@@ -1,6 +1,9 @@
-"""The proxy's command line and serving it with hypercorn.
+"""The proxy's command line and serving it (uvicorn by default; see ``http_servers``).
 
     mooncake-vllm-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+
+Without ``--prefill``/``--decode`` the pools are those of the Mooncake guide's command line
+(``GUIDE_PREFILL``, ``GUIDE_DECODE``), so ``python proxy/proxy_server.py`` works as it shows.
 
 SIGINT and SIGTERM stop accepting connections, give running requests ``SHUTDOWN_GRACE_S`` to
 finish, then close the backend sessions and exit 0.
@@ -12,20 +15,23 @@ import argparse
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
-from hypercorn.asyncio import serve as hypercorn_serve
-from hypercorn.config import Config as HypercornConfig
 from pydantic import ValidationError
 
 from mooncake_vllm.proxy.app import create_app
 from mooncake_vllm.proxy.config import LogLevel, ProxyConfig
+from mooncake_vllm.proxy.http_servers import SERVE, HttpServer
 from mooncake_vllm.proxy.routing import Policy
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 
 # Running requests (including streams) get this long after SIGTERM before they are cut.
 SHUTDOWN_GRACE_S = 5.0
+# The backends when no --prefill/--decode is given: the ports of the Mooncake guide.
+GUIDE_PREFILL = "http://localhost:8100"
+GUIDE_DECODE = "http://localhost:8200"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,14 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="URL",
-        help="prefill vLLM base URL, http://HOST:PORT; repeat for several",
+        help=f"prefill vLLM base URL, http://HOST:PORT; repeat for several ({GUIDE_PREFILL})",
     )
     p.add_argument(
         "--decode",
         action="append",
         default=[],
         metavar="URL",
-        help="decode vLLM base URL, http://HOST:PORT; repeat for several",
+        help=f"decode vLLM base URL, http://HOST:PORT; repeat for several ({GUIDE_DECODE})",
     )
     p.add_argument(
         "--discover",
@@ -70,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[x.value for x in Policy],
         default=defaults["policy"].default.value,
         help="how a backend is chosen within a pool (%(default)s)",
+    )
+    p.add_argument(
+        "--server",
+        choices=[x.value for x in HttpServer],
+        default=defaults["server"].default.value,
+        help="the ASGI server the Quart app runs on (%(default)s: the fastest in benchmarks.proxy)",
     )
     p.add_argument(
         "--api-key",
@@ -119,6 +131,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
     """Parse and validate the command line; exits with status 2 naming the bad flag."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.discover is None:  # the guide's command line: no flags at all
+        args.prefill = args.prefill or [GUIDE_PREFILL]
+        args.decode = args.decode or [GUIDE_DECODE]
     try:
         return ProxyConfig(**vars(args))
     except ValidationError as e:
@@ -134,16 +149,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
         raise AssertionError("unreachable") from e  # parser.error exits
 
 
-def hypercorn_config(cfg: ProxyConfig) -> HypercornConfig:
-    hc = HypercornConfig()
-    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    hc.bind = [f"{host}:{cfg.port}"]
-    hc.graceful_timeout = SHUTDOWN_GRACE_S
-    hc.accesslog = None  # the app logs each request with its legs
-    hc.errorlog = logger
-    return hc
-
-
 async def serve(
     cfg: ProxyConfig, shutdown_trigger: Callable[[], Awaitable[object]] | None = None
 ) -> None:
@@ -155,7 +160,8 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _on_signal, sig, stop)
         shutdown_trigger = stop.wait
-    await hypercorn_serve(app, hypercorn_config(cfg), shutdown_trigger=shutdown_trigger)
+    serve_on = SERVE[HttpServer(cfg.server)]
+    await serve_on(app, cfg.host, cfg.port, shutdown_trigger, SHUTDOWN_GRACE_S)
     logger.info("proxy stopped")
 
 
@@ -169,14 +175,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logger.info(
-        "prefill %s, decode %s, policy %s%s",
-        ", ".join(cfg.prefill) or "-",
-        ", ".join(cfg.decode) or "-",
-        cfg.policy.value,
-        f", discovering backends in {cfg.discover}" if cfg.discover else "",
+    logger.info(startup_line(cfg))
+    _run(serve(cfg))
+
+
+def startup_line(cfg: ProxyConfig) -> str:
+    """The first log line: where the proxy listens and which backends it sends to."""
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    return (
+        f"serving on http://{host}:{cfg.port} ({cfg.server.value}), "
+        f"prefill {', '.join(cfg.prefill) or '-'}, decode {', '.join(cfg.decode) or '-'}, "
+        f"policy {cfg.policy.value}"
+        + (f", discovering backends in {cfg.discover}" if cfg.discover else "")
     )
-    asyncio.run(serve(cfg))
+
+
+def _run(main_coro: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run`` on uvloop when it is installed (the proxy's measured setup)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main_coro)
+        return
+    uvloop.run(main_coro)
 
 
 if __name__ == "__main__":
