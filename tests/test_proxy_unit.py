@@ -409,3 +409,21 @@ def test_backend_url_normalization(url, normalized):
 def test_config_rejects_unknown_keys():
     with pytest.raises(ValueError, match="bogus"):
         ProxyConfig(prefill=["http://h:1"], decode=["http://h:2"], bogus=1)
+
+
+def test_pool_mode_prefill_asks_for_no_handoff_and_drops_the_clients():
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 9, "stream": True,
+            "kv_transfer_params": CLIENT_HANDOFF}  # fmt: skip
+    leg = rewrite.build_prefill_body(body, COMPLETIONS, None)
+    assert leg == {"model": "tiny", "prompt": "hello", "max_tokens": 1, "stream": False, "n": 1}
+    assert rewrite.build_decode_body(body, None) == {
+        "model": "tiny", "prompt": "hello", "max_tokens": 9, "stream": True,
+    }  # fmt: skip
+
+
+def test_mode_flag():
+    args = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    assert parse_args(args).mode == "p2p"
+    assert parse_args([*args, "--mode", "pool"]).mode == "pool"
+    with pytest.raises(SystemExit):
+        parse_args([*args, "--mode", "push"])
