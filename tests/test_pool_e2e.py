@@ -64,9 +64,10 @@ def pool(tiny_model):
     except Exception:
         master.stop()
         raise
-    yield dict(zip(("plain", "prefill", "decode1", "decode2"), servers, strict=True),
-               master=master, model=tiny_model)  # fmt: skip
-    for srv in [*reversed(servers), master]:
+    state = dict(zip(("plain", "prefill", "decode1", "decode2"), servers, strict=True))
+    state.update(master=master, model=tiny_model)
+    yield state
+    for srv in [*reversed(servers), state["master"]]:  # a test may restart the master
         srv.stop()
 
 
@@ -173,3 +174,41 @@ async def test_a_second_decode_reuses_prompts_prefilled_earlier(pool, http):
     assert decode2.metric(EXTERNAL, source="external_kv_transfer") - ext0 >= len(turn1) // 128 * 128
     assert pool_counter(decode2, "load_failures") == 0
     assert pool_counter(decode2, "put_blocks") == 0  # kv_consumer: gets only
+
+
+async def test_master_killed_requests_recompute_and_the_pool_returns_with_it(pool, http):
+    """Last in this module: it stops the master. Without it every request is computed where it
+    lands (token-exact, no failure, vLLM keeps serving); with it back on the same ports, the
+    clients reconnect by themselves and the pool serves again."""
+    model, prefill, decode = pool["model"], pool["prefill"], pool["decode1"]
+    master = pool["master"]
+    master.stop()
+    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
+    for i, prompt in enumerate(prompts(seed=6, lengths=[300, 700, 129])):
+        ref = await complete(http, pool["plain"], body(model, prompt))
+        got = await minimal_proxy(http, prefill, decode, body(model, prompt, stream=i == 1))
+        assert got.token_ids == ref.token_ids
+    assert decode.metric(EXTERNAL, source="external_kv_transfer") == ext0  # all recomputed
+    await eventually(lambda: pool_counter(prefill, "put_failures") > 0)
+    assert pool_counter(decode, "load_failures") == 0
+
+    pool["master"] = start_mooncake_master(
+        master.host, master.port, metadata_port=master.metadata_port
+    )
+    lengths = [300, 700, 1000]
+    total = sum(lengths)
+
+    async def pool_serves_again(batch) -> float:
+        ext_before = decode.metric(EXTERNAL, source="external_kv_transfer")
+        for prompt in batch:
+            ref = await complete(http, pool["plain"], body(model, prompt))
+            got = await minimal_proxy(http, prefill, decode, body(model, prompt))
+            assert got.token_ids == ref.token_ids
+        return decode.metric(EXTERNAL, source="external_kv_transfer") - ext_before
+
+    # The store clients notice the new master at their next heartbeat: allow a few rounds.
+    deadline, seed = time.monotonic() + 60, 7
+    while (ext := await pool_serves_again(prompts(seed, lengths))) < 0.95 * total:
+        assert time.monotonic() < deadline, f"pool not used again: {ext} of {total} tokens"
+        seed += 1  # fresh prompts, not in decode's prefix cache
+        await asyncio.sleep(2)

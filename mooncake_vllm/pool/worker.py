@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 _LOAD_THREADS = 4
 # A load not done this long after its deadline is reported failed without waiting for its thread.
 _REPORT_AFTER_S = 0.25
+_WARN_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class PoolWorkerHalf:
         self._stats_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="mooncake-pool-get")
         self._saves: list[BlockTransfer] = []
+        self._last_put_warning = -_WARN_EVERY_S
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -145,7 +147,13 @@ class PoolWorkerHalf:
             exists = [0] * len(keys)
         todo = [i for i, e in enumerate(exists) if e != 1]
         skipped = len(keys) - len(todo)
-        failed = 0
+        if any(e < 0 for e in exists):
+            # The master did not answer (-900 comes at once): a put would spend seconds
+            # reconnecting inside this step, delaying every request in it. Count and move on.
+            self._count_put(0, skipped, len(todo), start)
+            self._warn_put(f"pool unreachable ({describe(min(exists))}): {len(todo)} blocks "
+                           "not put")  # fmt: skip
+            return
         try:
             codes = self._store.put(
                 [keys[i] for i in todo], self._ranges([block_ids[i] for i in todo])
@@ -153,17 +161,27 @@ class PoolWorkerHalf:
         except Exception as e:
             codes = [str(e)] * len(todo)
         bad = [c for c in codes if c != 0]
-        failed = len(bad)
         if bad:
             first = describe(bad[0]) if isinstance(bad[0], int) else bad[0]
-            logger.warning("pool put of %d of %d blocks failed (first: %s); those prompts will "
-                           "be computed again where needed", failed, len(todo), first)  # fmt: skip
+            self._warn_put(f"put of {len(bad)} of {len(todo)} blocks failed (first: {first})")
+        self._count_put(len(todo) - len(bad), skipped, len(bad), start)
+
+    def _count_put(self, put: int, skipped: int, failed: int, start: float) -> None:
         with self._stats_lock:
-            self._stats.count("put_blocks", len(todo) - failed)
-            self._stats.count("put_bytes", (len(todo) - failed) * self._block_bytes)
+            self._stats.count("put_blocks", put)
+            self._stats.count("put_bytes", put * self._block_bytes)
             self._stats.count("put_skipped_blocks", skipped)
             self._stats.count("put_failures", failed)
             self._stats.sample("put_durations_s", time.monotonic() - start)
+
+    def _warn_put(self, what: str) -> None:
+        """At most one warning per ``_WARN_EVERY_S``: a full pool or an absent master would
+        otherwise log every step."""
+        now = time.monotonic()
+        if now - self._last_put_warning >= _WARN_EVERY_S:
+            self._last_put_warning = now
+            logger.warning("pool %s; those prompts are computed again where needed (the "
+                           "requests are unaffected)", what)  # fmt: skip
 
     # ---- load ----------------------------------------------------------------------------
 
