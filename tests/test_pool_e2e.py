@@ -77,7 +77,9 @@ def prompts(seed: int, lengths=LENGTHS) -> list[list[int]]:
 
 
 def body(model: str, prompt, **kw) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    # ignore_eos: every answer is MAX_TOKENS long, so every one compares that many tokens.
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, **kw}  # fmt: skip
 
 
 async def minimal_proxy(http, prefill, decode, request: dict):
