@@ -77,7 +77,7 @@ def consumer():
 
 @pytest.fixture
 def producer():
-    port = free_port("127.0.0.1")
+    port = free_port_run(2)  # the side channel binds port + 1
     settings = load_settings({"prefill_url": f"127.0.0.1:{port}"}, env={})
     half = SchedulerHalf(resolve(settings, "kv_producer", "prefill", 1), BLOCK, HASH)
     half.set_layouts({0: RankLayout("127.0.0.1:1", [MemSegment(0, 1000, 1000)], worker_pid=0)})
