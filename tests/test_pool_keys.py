@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_vllm.pool.keys import (
-    block_keys,
-    chain_digests,
-    key_rank,
-    key_ranks,
-    leading_hits,
-    pool_key,
-)
+from mooncake_vllm.pool.keys import block_keys, chain_digests, leading_hits, pool_key
 
 SALT = "s" * 64
 BASE = list(range(10, 10 + 300))
@@ -100,12 +93,3 @@ def test_leading_hits_need_every_rank(exists, blocks, tp, hits):
 def test_leading_hits_rejects_a_short_answer():
     with pytest.raises(ValueError, match="answers"):
         leading_hits([1], 2, 1)
-
-
-@pytest.mark.parametrize(
-    ("tp_size", "tp_rank", "replicated", "ranks", "rank"),
-    [(1, 0, False, 1, 0), (2, 1, False, 2, 1), (2, 1, True, 1, 0), (4, 3, True, 1, 0)],
-)
-def test_replicated_kv_has_one_copy_under_rank_0(tp_size, tp_rank, replicated, ranks, rank):
-    assert key_ranks(tp_size, replicated) == ranks
-    assert key_rank(tp_rank, replicated) == rank

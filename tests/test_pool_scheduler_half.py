@@ -36,17 +36,14 @@ class DictStore:
         pass
 
 
-def half(
-    store, *, producer=True, consumer=True, tp_size=1, replicated=False, **settings
-) -> PoolSchedulerHalf:
+def half(store, *, producer=True, consumer=True, tp_size=1, **settings) -> PoolSchedulerHalf:
     s = load_settings(
         {"master_server_address": "127.0.0.1:1", "metadata_server": "P2PHANDSHAKE", **settings},
         env={},
         model=PoolSettings,
     )
     return PoolSchedulerHalf(s, is_producer=producer, is_consumer=consumer, block_size=BLOCK,
-                             salt=SALT, tp_size=tp_size, store=store,
-                             replicated_kv=replicated)  # fmt: skip
+                             salt=SALT, tp_size=tp_size, store=store)  # fmt: skip
 
 
 def request(req_id="r1", prompt=PROMPT):
@@ -102,20 +99,6 @@ def test_every_tp_rank_must_hold_a_block():
     store = DictStore(block_keys(DIGESTS, 0) + block_keys(DIGESTS[:1], 1))
     h = half(store, tp_size=2)
     assert h.get_num_new_matched_tokens(request(), 0) == (128, True)
-
-
-def test_replicated_kv_is_looked_up_once_whatever_the_tp_size():
-    """MLA: one copy per engine, under rank 0; rank 1's keys are never asked for."""
-    one_rank = half(DictStore(block_keys(DIGESTS, 0)), tp_size=1)
-    store = DictStore(block_keys(DIGESTS, 0))
-    h = half(store, tp_size=2, replicated=True)
-    matched = h.get_num_new_matched_tokens(request(), 0)
-    assert matched == one_rank.get_num_new_matched_tokens(request(), 0) and matched[0] > 0
-    assert store.asked == [block_keys(DIGESTS, 0)]
-    # Not replicated, the same pool holds rank 0's copy only: no block counts.
-    assert half(DictStore(block_keys(DIGESTS, 0)), tp_size=2).get_num_new_matched_tokens(
-        request(), 0
-    ) == (0, False)
 
 
 def test_the_load_names_digests_and_destination_blocks_and_is_claimed_once():

@@ -30,16 +30,13 @@ def master():
     m.stop()
 
 
-def worker(
-    master, tp_rank=0, replicated=False, **settings
-) -> tuple[PoolWorkerHalf, dict[str, torch.Tensor]]:
+def worker(master, **settings) -> tuple[PoolWorkerHalf, dict[str, torch.Tensor]]:
     s = load_settings(
         {"master_server_address": master.address, "metadata_server": master.metadata_url,
          "global_segment_size": "16MB", "load_timeout_s": 5, **settings},
         env={}, model=PoolSettings,
     )  # fmt: skip
-    w = PoolWorkerHalf(s, is_producer=True, is_consumer=True, tp_rank=tp_rank,
-                       num_blocks=NUM_BLOCKS, replicated_kv=replicated)  # fmt: skip
+    w = PoolWorkerHalf(s, is_producer=True, is_consumer=True, tp_rank=0, num_blocks=NUM_BLOCKS)
     caches = {f"model.layers.{i}.attn": torch.zeros(SHAPE) for i in range(2)}
     w.register_kv_caches(caches)
     return w, caches
@@ -98,25 +95,6 @@ def test_a_block_missing_from_the_pool_fails_the_load(pair):
     reader = pair[2]
     assert not load(reader, "r2", ["a0", "never-put"], [11, 12])
     assert reader.get_stats().data["load_failures"] == 1
-
-
-def test_replicated_kv_is_put_by_rank_0_alone_and_read_by_any_rank(master, pair):
-    """MLA: the latent is the same on every rank, so rank 1 puts nothing and reads rank 0's copy."""
-    writer, w_caches = pair[0], pair[1]
-    rank1, r1_caches = worker(master, tp_rank=1, replicated=True)
-    try:
-        for t in r1_caches.values():
-            t.copy_(torch.randn(SHAPE))
-        rank1.start_load_kv(PoolConnectorMetadata(saves=[BlockTransfer("s", ["m0"], [3])]))
-        rank1.wait_for_save()
-        assert rank1.get_stats() is None  # no put, no existence check: nothing to count
-        assert not load(rank1, "m1", ["m0"], [20])  # nobody has put it yet
-        assert save(writer, ["m0"], [3])["put_blocks"] == 1  # rank 0's put
-        assert load(rank1, "m2", ["m0"], [21])
-        for name in w_caches:
-            assert torch.equal(r1_caches[name][:, 21], w_caches[name][:, 3])
-    finally:
-        rank1.shutdown()
 
 
 def test_a_full_pool_fails_puts_without_raising(pair):

@@ -74,7 +74,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 salt=engine_compat_hash(vllm_config),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 store=store,
-                replicated_kv=vllm_config.model_config.use_mla,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -88,7 +87,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 is_consumer=is_consumer,
                 tp_rank=get_tensor_model_parallel_rank(),
                 num_blocks=kv_cache_config.num_blocks,
-                replicated_kv=vllm_config.model_config.use_mla,
             )
 
     # ---- worker side ---------------------------------------------------------------------

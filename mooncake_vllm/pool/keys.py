@@ -5,9 +5,7 @@ digest hashes the digest of block ``i - 1`` with block ``i``'s tokens, so it nam
 prefix up to the block's end: two prompts share a key exactly when they share every token up to
 there. The chain starts from the *salt* (the compat hash: model, dtype, KV layout, block size, TP
 size), so two models or layouts never address each other's KV; the key adds the TP rank, since
-each rank stores its own heads. An MLA latent is the same on every rank (replicated, not sharded),
-so an MLA engine stores it once, under rank 0, and every rank of any TP size reads that one copy.
-A partial block hashes its token count with its tokens: a
+each rank stores its own heads. A partial block hashes its token count with its tokens: a
 prompt's 70-token tail and another's 100-token tail with the same first 70 tokens differ.
 
 The key string carries ``KEY_VERSION``: a change of the value's layout bumps it, and old values
@@ -43,16 +41,6 @@ def chain_digests(token_ids: Sequence[int], block_size: int, salt: str) -> list[
 def pool_key(digest: str, tp_rank: int) -> str:
     """The store key of one block's KV on one TP rank."""
     return f"{_PREFIX}/{digest}/{tp_rank}"
-
-
-def key_ranks(tp_size: int, replicated: bool) -> int:
-    """How many per-rank copies of a block the pool holds for an engine of ``tp_size`` ranks."""
-    return 1 if replicated else tp_size
-
-
-def key_rank(tp_rank: int, replicated: bool) -> int:
-    """The rank under whose key a worker puts and gets its blocks."""
-    return 0 if replicated else tp_rank
 
 
 def block_keys(digests: Sequence[str], tp_rank: int) -> list[str]:

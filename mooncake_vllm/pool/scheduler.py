@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.pool.config import PoolSettings
-from mooncake_vllm.pool.keys import block_keys, chain_digests, key_ranks, leading_hits
+from mooncake_vllm.pool.keys import block_keys, chain_digests, leading_hits
 from mooncake_vllm.pool.stats import PoolStats
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
 from mooncake_vllm.scheduler import BlockPins
@@ -78,13 +78,10 @@ class PoolSchedulerHalf:
         salt: str,
         tp_size: int,
         store: PoolStore | None,
-        replicated_kv: bool = False,
     ):
-        """``replicated_kv``: every TP rank holds the same KV (MLA), stored once in the pool."""
         self._settings = settings
         self._is_producer, self._is_consumer = is_producer, is_consumer
         self._block_size, self._salt, self._tp_size = block_size, salt, tp_size
-        self._key_ranks = key_ranks(tp_size, replicated_kv)
         self._store = store  # lookup-only client (consumers)
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="mooncake-pool-lookup")
         self._lookup: Future | None = None  # the last lookup (a stuck one blocks the next)
@@ -124,11 +121,11 @@ class PoolSchedulerHalf:
         if self._lookup is not None and not self._lookup.done():
             self._stats.count("lookup_failures")  # the previous one is stuck: do not queue
             return 0
-        keys = [k for r in range(self._key_ranks) for k in block_keys(digests, r)]
+        keys = [k for r in range(self._tp_size) for k in block_keys(digests, r)]
         self._lookup = self._lookups.submit(self._store.exists, keys)
         try:
             exists = self._lookup.result(timeout=self._settings.lookup_timeout_s)
-            return leading_hits(exists, len(digests), self._key_ranks)
+            return leading_hits(exists, len(digests), self._tp_size)
         except FutureTimeout:
             logger.warning("pool lookup not answered in %gs (lookup_timeout_s): counted as a "
                            "miss", self._settings.lookup_timeout_s)  # fmt: skip

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from mooncake_vllm.planning import tensor_segments
 from mooncake_vllm.pool.config import PoolSettings
-from mooncake_vllm.pool.keys import block_keys, key_rank
+from mooncake_vllm.pool.keys import block_keys
 from mooncake_vllm.pool.stats import PoolStats
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
 from mooncake_vllm.pool.store import PoolStore, describe
@@ -78,15 +78,10 @@ class PoolWorkerHalf:
         is_consumer: bool,
         tp_rank: int,
         num_blocks: int,
-        replicated_kv: bool = False,
     ):
-        """``replicated_kv``: every TP rank holds the same KV (MLA): rank 0 alone puts it, once
-        per engine, and every rank gets that copy."""
         self._settings = settings
         self._is_producer, self._is_consumer = is_producer, is_consumer
         self._tp_rank, self._num_blocks = tp_rank, num_blocks
-        self._key_rank = key_rank(tp_rank, replicated_kv)
-        self._puts_blocks = self._key_rank == tp_rank
         self._store: PoolStore | None = None
         self._segments: list[MemSegment] = []
         self._block_bytes = 0
@@ -137,13 +132,13 @@ class PoolWorkerHalf:
     def wait_for_save(self) -> None:
         """Put this step's completed blocks that the pool lacks; never raises."""
         saves, self._saves = self._saves, []
-        if not saves or self._store is None or not self._puts_blocks:
+        if not saves or self._store is None:
             return
         start = time.monotonic()
         keys: list[str] = []
         block_ids: list[int] = []
         for save in saves:
-            keys += block_keys(save.digests, self._key_rank)
+            keys += block_keys(save.digests, self._tp_rank)
             block_ids += save.block_ids
         try:
             exists = self._store.exists(keys)
@@ -193,7 +188,7 @@ class PoolWorkerHalf:
     def _load(self, load: BlockTransfer) -> LoadOutcome:
         start = time.monotonic()
         try:
-            keys = block_keys(load.digests, self._key_rank)
+            keys = block_keys(load.digests, self._tp_rank)
             results = self._store.get(keys, self._ranges(load.block_ids))
             for key, n in zip(keys, results, strict=True):
                 if n != self._block_bytes:
