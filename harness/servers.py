@@ -235,7 +235,9 @@ def default_log_dir() -> Path:
 
 
 def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    # Not the transfer engine's MC_* settings: an engine started in this process (a test, a
+    # benchmark) left them in os.environ, and a server must get only the ones its spec sets.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MC_")}
     env.update(
         {
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
