@@ -27,6 +27,7 @@ from mooncake_vllm.metadata import Store, StoreUnavailable, open_store, parse_me
 from mooncake_vllm.protocol import SERVING_PREFIX, decode_serving
 from mooncake_vllm.proxy.config import normalize_backend_url
 from mooncake_vllm.proxy.failover import Backends
+from mooncake_vllm.proxy.health import stop_task
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 
@@ -78,15 +79,8 @@ class RegistryFollower:
         self._task = asyncio.create_task(self.follow_forever(), name="proxy-registry-follower")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            except Exception:
-                logger.exception("registry follower had failed")
-            self._task = None
+        await stop_task(self._task, "registry follower")
+        self._task = None
         if self._store is not None:
             await self._store.close()
             self._store = None

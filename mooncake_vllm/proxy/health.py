@@ -33,6 +33,19 @@ def health_report(backends: Backends) -> dict[str, Any]:
     return report
 
 
+async def stop_task(task: asyncio.Task | None, what: str) -> None:
+    """Cancel a background task and await it; a failure it ended with is logged, not lost."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    except Exception:
+        logger.exception("%s had failed", what)
+
+
 class HealthProber:
     """Probes every backend with ``GET /health`` while the app serves; owns its task."""
 
@@ -44,15 +57,7 @@ class HealthProber:
         self._task = asyncio.create_task(self.probe_forever(), name="proxy-health-prober")
 
     async def stop(self) -> None:
-        if self._task is None:
-            return
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            logger.exception("health prober had failed")
+        await stop_task(self._task, "health prober")
         self._task = None
 
     async def probe_forever(self) -> None:
