@@ -3,7 +3,7 @@ VENV ?= $(or $(MOONCAKE_VLLM_VENV),$(HOME)/.cache/mooncake-vllm/venv)
 PY := $(VENV)/bin/python
 export MOONCAKE_VLLM_VENV := $(VENV)
 
-.PHONY: setup model test test-unit demo lint format bench
+.PHONY: setup model test test-unit demo demo-pool lint format bench
 
 setup:
 	@bash scripts/setup.sh
@@ -19,6 +19,10 @@ test-unit: setup
 
 demo: setup
 	$(PY) -m harness.demo
+
+# The KV pool: mooncake_master, prefill and decode with MooncakeStoreConnector, proxy --mode pool.
+demo-pool: setup
+	$(PY) -m harness.demo_pool
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -1,5 +1,5 @@
-"""Start and stop real servers on loopback: vLLM OpenAI servers, redis-server, etcd, and http
-metadata servers.
+"""Start and stop real servers on loopback: vLLM OpenAI servers, redis-server, etcd, http
+metadata servers and mooncake_master (Mooncake Store's master, with its http metadata server).
 
 Shared by the tests, the demo and the benchmarks. Every server runs in its own process group with
 its output in a log file; ``stop()`` ends the whole group (vLLM spawns engine-core and worker
@@ -367,6 +367,63 @@ def start_http_metadata(
     proc = ManagedProcess(name, argv, log).start()
     proc.wait_until(lambda: _port_open(host, port), 30, "accepting connections")
     return KvServer(proc, host, port, data_dir)
+
+
+@dataclass(eq=False)
+class MasterServer:
+    """mooncake_master on loopback, serving the pool's RPC and its built-in http metadata."""
+
+    process: ManagedProcess
+    host: str
+    port: int
+    metadata_port: int
+    metrics_port: int
+
+    @property
+    def address(self) -> str:
+        """``master_server_address`` for the pool's config."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def metadata_url(self) -> str:
+        """``metadata_server`` for the pool's config."""
+        return f"http://{self.host}:{self.metadata_port}/metadata"
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def start_mooncake_master(
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    *,
+    metadata_port: int | None = None,
+    log_dir: Path | None = None,
+    extra_args: Sequence[str] = (),
+) -> MasterServer:
+    """``mooncake_master`` (the console command of the transfer-engine wheel) with
+    ``--enable_http_metadata_server``. Pass a stopped master's ports to restart it in place.
+
+    The wheel (0.3.13.post1) binds its http metadata server to every interface whatever
+    ``--http_metadata_server_host`` says, so its port is picked free on all of them."""
+    port = port or free_port(host)
+    metadata_port = metadata_port or free_port("0.0.0.0")
+    metrics_port = free_port(host)
+    command = Path(sys.executable).with_name("mooncake_master")
+    argv = [
+        str(command) if command.exists() else "mooncake_master",
+        "--rpc_address", host, "--rpc_port", str(port),
+        "--enable_http_metadata_server",
+        "--http_metadata_server_host", host, "--http_metadata_server_port", str(metadata_port),
+        "--metrics_host", host, "--metrics_port", str(metrics_port),
+        *extra_args,
+    ]  # fmt: skip
+    log = (log_dir or default_log_dir()) / f"mooncake-master-{host}-{port}.log"
+    proc = ManagedProcess("mooncake_master", argv, log).start()
+    proc.wait_until(
+        lambda: _port_open(host, port) and _port_open(host, metadata_port), 30, "listening"
+    )
+    return MasterServer(proc, host, port, metadata_port, metrics_port)
 
 
 @contextlib.contextmanager

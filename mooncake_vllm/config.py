@@ -156,25 +156,31 @@ class ConnectorConfig:
         return env
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _format_validation_error(
+    err: ValidationError, source: str, model: type[BaseModel] = MooncakeSettings
+) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(config)"
         if e["type"] == "extra_forbidden":
-            accepted = ", ".join(MooncakeSettings.model_fields)
+            accepted = ", ".join(model.model_fields)
             lines.append(f"unknown key {key!r} (accepted keys: {accepted})")
         elif not e["loc"]:  # a check across keys: its message names them
             lines.append(e["msg"].removeprefix("Value error, "))
         else:
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"{key}={e.get('input')!r}: {msg}")
-    return f"invalid MooncakeConnector config ({source}): " + "; ".join(lines)
+    name = getattr(model, "connector_name", "MooncakeConnector")
+    return f"invalid {name} config ({source}): " + "; ".join(lines)
 
 
 def load_settings(
-    extra_config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
-) -> MooncakeSettings:
-    """Merge the json file (if ``MOONCAKE_CONFIG_PATH`` is set) with extra_config and validate."""
+    extra_config: Mapping[str, Any] | None,
+    env: Mapping[str, str] | None = None,
+    model: type[BaseModel] = MooncakeSettings,
+) -> Any:
+    """Merge the json file (if ``MOONCAKE_CONFIG_PATH`` is set) with extra_config and validate
+    into ``model`` (``MooncakeSettings``; the pool passes its ``PoolSettings``)."""
     env = os.environ if env is None else env
     merged: dict[str, Any] = {}
     sources = []
@@ -198,9 +204,10 @@ def load_settings(
     if extra_config:
         sources.append("kv_connector_extra_config")
     try:
-        return MooncakeSettings(**merged)
+        return model(**merged)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, " + ".join(sources) or "defaults")) from e
+        source = " + ".join(sources) or "defaults"
+        raise ConfigError(_format_validation_error(e, source, model)) from e
 
 
 def resolve(

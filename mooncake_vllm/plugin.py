@@ -1,9 +1,10 @@
-"""vLLM general plugin: make the name ``MooncakeConnector`` select this package's connector.
+"""vLLM general plugin: make the names ``MooncakeConnector`` (P2P) and ``MooncakeStoreConnector``
+(pool) select this package's connectors.
 
 vLLM runs ``vllm.general_plugins`` entry points in every vLLM process before it parses the CLI,
 so ``--kv-transfer-config '{"kv_connector":"MooncakeConnector",...}'`` resolves to ours. vLLM's
-built-in connector stays available as ``VllmMooncakeConnector``; set
-``MOONCAKE_VLLM_KEEP_BUILTIN=1`` to leave the name ``MooncakeConnector`` to vLLM's.
+built-in connectors stay available as ``VllmMooncakeConnector`` and
+``VllmMooncakeStoreConnector``; set ``MOONCAKE_VLLM_KEEP_BUILTIN=1`` to leave both names to vLLM's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ logger = logging.getLogger(__name__)
 
 NAME = "MooncakeConnector"
 BUILTIN_ALIAS = "VllmMooncakeConnector"
+STORE_NAME = "MooncakeStoreConnector"
+STORE_BUILTIN_ALIAS = "VllmMooncakeStoreConnector"
+# name → (builtin alias, our module, our class)
+_OURS = {
+    NAME: (BUILTIN_ALIAS, "mooncake_vllm.connector", "MooncakeConnector"),
+    STORE_NAME: (STORE_BUILTIN_ALIAS, "mooncake_vllm.pool.connector", "MooncakeStoreConnector"),
+}
 
 
 def use_vllm_logging() -> None:
@@ -45,10 +53,12 @@ def register() -> None:
             NAME,
         )
         return
-    builtin = registry.get(NAME)
-    if builtin is not None and BUILTIN_ALIAS not in registry:
-        registry[BUILTIN_ALIAS] = builtin
-    if os.environ.get("MOONCAKE_VLLM_KEEP_BUILTIN", "") not in ("", "0"):
-        return
-    registry.pop(NAME, None)
-    KVConnectorFactory.register_connector(NAME, "mooncake_vllm.connector", "MooncakeConnector")
+    keep_builtin = os.environ.get("MOONCAKE_VLLM_KEEP_BUILTIN", "") not in ("", "0")
+    for name, (alias, module, class_name) in _OURS.items():
+        builtin = registry.get(name)
+        if builtin is not None and alias not in registry:
+            registry[alias] = builtin
+        if keep_builtin:
+            continue
+        registry.pop(name, None)
+        KVConnectorFactory.register_connector(name, module, class_name)

@@ -33,3 +33,15 @@ def test_rdma_example_selects_rdma_on_its_nic():
     assert "MC_FORCE_TCP" not in cfg.engine_env()
     assert cfg.engine_env()["MC_TCP_BIND_ADDRESS"] == "10.0.0.2"
     assert cfg.metadata.kind == "etcd"
+
+
+POOL_CONFIGS = sorted((CONFIGS[0].parent / "pool").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", POOL_CONFIGS, ids=lambda p: p.name)
+def test_pool_example_config_validates(path):
+    from mooncake_vllm.pool.config import PoolSettings
+
+    s = load_settings(None, {CONFIG_PATH_ENV: str(path)}, model=PoolSettings)
+    assert s.master_server_address and s.metadata_server.startswith("http://")
+    assert s.global_segment_size >= 16 << 20

@@ -40,3 +40,11 @@ def test_a_vllm_without_the_private_registry_gets_a_clear_warning_not_a_crash(
     monkeypatch.delattr(KVConnectorFactory, "_registry")
     plugin.register()
     assert "kv_connector_module_path" in caplog.text
+
+
+def test_the_store_name_selects_our_pool_connector_and_vllms_stays_reachable(registry, monkeypatch):
+    monkeypatch.delenv("MOONCAKE_VLLM_KEEP_BUILTIN", raising=False)
+    builtin = registry[plugin.STORE_NAME]
+    plugin.register()
+    assert registry[plugin.STORE_BUILTIN_ALIAS] is builtin
+    assert registry[plugin.STORE_NAME]().__module__ == "mooncake_vllm.pool.connector"

@@ -451,3 +451,21 @@ def test_server_flag_and_startup_line():
         "serving on http://[::1]:9 (hypercorn), prefill http://localhost:8100, "
         "decode http://localhost:8200, policy round_robin"
     )
+
+
+def test_pool_mode_prefill_asks_for_no_handoff_and_drops_the_clients():
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 9, "stream": True,
+            "kv_transfer_params": CLIENT_HANDOFF}  # fmt: skip
+    leg = rewrite.build_prefill_body(body, COMPLETIONS, None)
+    assert leg == {"model": "tiny", "prompt": "hello", "max_tokens": 1, "stream": False, "n": 1}
+    assert rewrite.build_decode_body(body, None) == {
+        "model": "tiny", "prompt": "hello", "max_tokens": 9, "stream": True,
+    }  # fmt: skip
+
+
+def test_mode_flag():
+    args = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    assert parse_args(args).mode == "p2p"
+    assert parse_args([*args, "--mode", "pool"]).mode == "pool"
+    with pytest.raises(SystemExit):
+        parse_args([*args, "--mode", "push"])

@@ -51,6 +51,10 @@ class ProxyConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     policy: Policy = Policy.ROUND_ROBIN
     server: HttpServer = DEFAULT_HTTP_SERVER
+    # p2p: the prefill hands its KV to the decode through kv_transfer_params (MooncakeConnector).
+    # pool: nothing is handed over; the decode finds the prompt in the pool by its tokens
+    # (MooncakeStoreConnector), as behind Mooncake guide's minimal proxy.
+    mode: Literal["p2p", "pool"] = "p2p"
     api_key: str | None = None
     timeout_s: float = Field(300.0, gt=0)
     prefill_timeout_s: float = Field(120.0, gt=0)

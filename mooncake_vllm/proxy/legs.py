@@ -49,7 +49,9 @@ async def prefill(backends: Backends, ctx: RequestContext, body: dict[str, Any])
     The prefill leg is safe to repeat (it only fills a cache and returns one token), so a
     connection failure is retried once on another healthy prefill; an HTTP error is not.
     """
-    leg_body = rewrite.build_prefill_body(body, ctx.path, rewrite.new_transfer_id())
+    pool_mode = backends.cfg.mode == "pool"
+    transfer_id = None if pool_mode else rewrite.new_transfer_id()
+    leg_body = rewrite.build_prefill_body(body, ctx.path, transfer_id)
     attempt = await backends.read_whole(
         "prefill", ctx, "POST", data=rewrite.encode_json(leg_body), headers=ctx.json_headers
     )
@@ -76,6 +78,8 @@ def _prefill_outcome(
         raise ProxyError.of(
             502, f"prefill backend {backend.url} answered with non-JSON", "backend_error"
         ) from e
+    if backends.cfg.mode == "pool":
+        return PrefillOutcome(backend.url, None)  # the decode finds the prompt in the pool
     params = rewrite.handoff_from_prefill(answer)
     if params is None:
         metrics.missing_handoff.labels(backend.url).inc()

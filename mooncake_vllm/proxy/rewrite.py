@@ -142,12 +142,13 @@ def without_client_handoff(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != KV_TRANSFER_PARAMS}
 
 
-def build_prefill_body(body: dict[str, Any], path: str, transfer_id: str) -> dict[str, Any]:
+def build_prefill_body(body: dict[str, Any], path: str, transfer_id: str | None) -> dict[str, Any]:
     """The prefill leg: one token, one choice, no stream, and a request to keep the KV for decode.
 
     ``min_tokens`` is dropped because vLLM refuses ``min_tokens > max_tokens``; ``stream_options``
     because vLLM refuses it without ``stream``. Each prefill attempt gets its own ``transfer_id``:
     the producer keys its block lease on it and the consumer refuses a transfer id it has seen.
+    ``transfer_id`` None (pool mode): no handoff is asked for; the prefill only fills the pool.
     """
     leg = without_client_handoff(body)
     leg.pop("stream_options", None)
@@ -157,6 +158,8 @@ def build_prefill_body(body: dict[str, Any], path: str, transfer_id: str) -> dic
         leg["max_completion_tokens"] = 1
     leg["stream"] = False
     leg["n"] = 1
+    if transfer_id is None:
+        return leg
     leg[KV_TRANSFER_PARAMS] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,

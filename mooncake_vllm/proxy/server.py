@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the ASGI server the Quart app runs on (%(default)s: the fastest in benchmarks.proxy)",
     )
     p.add_argument(
+        "--mode",
+        choices=["p2p", "pool"],
+        default=defaults["mode"].default,
+        help="p2p: hand the KV over through kv_transfer_params (MooncakeConnector); pool: pass "
+        "nothing, the decode gets the prompt from the pool (MooncakeStoreConnector) (%(default)s)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="clients must send 'Authorization: Bearer KEY'; backends then get $OPENAI_API_KEY",

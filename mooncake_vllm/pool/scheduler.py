@@ -1,0 +1,246 @@
+"""The pool's scheduler half: runs in vLLM's engine-core process, decides, never moves KV.
+
+Load (``kv_consumer``, ``kv_both``): ``get_num_new_matched_tokens`` asks the pool, in one batched
+existence check bounded by ``lookup_timeout_s``, how many of the prompt's blocks beyond the
+local prefix cache it holds (every TP rank's key), and claims them as an asynchronous load;
+``update_state_after_alloc`` names the destination blocks. A lookup that fails or times out
+counts as a miss: the prompt is computed here, never failed.
+
+Save (``kv_producer``, ``kv_both``): every step, ``build_connector_meta`` tells the workers which
+prompt blocks that step completes (full blocks as they fill, the trailing partial block once the
+whole prompt is computed). The workers put them before the step ends (``wait_for_save``), i.e.
+before vLLM can emit the request's first token, so a finished prefill's prompt is in the pool
+before its response leaves the server.
+
+Late writes: a get cannot be cancelled; one reported failed at its deadline may still write. Its
+destination blocks stay pinned in vLLM's block pool until every rank reports it settled (the P2P
+connector's ``BlockPins``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mooncake_vllm.pool.config import PoolSettings
+from mooncake_vllm.pool.keys import block_keys, chain_digests, key_ranks, leading_hits
+from mooncake_vllm.pool.stats import PoolStats
+from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
+from mooncake_vllm.scheduler import BlockPins
+from mooncake_vllm.step_metadata import MooncakeWorkerMeta
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from mooncake_vllm.pool.store import PoolStore
+
+logger = logging.getLogger(__name__)
+
+# While a load is pending and nothing runs, vLLM steps back to back: pause idle steps this long.
+IDLE_STEP_PAUSE_S = 0.002
+
+
+@dataclass
+class _Planned:
+    """A load claimed by ``get_num_new_matched_tokens``, waiting for its blocks."""
+
+    first_block: int
+    digests: list[str]  # of the blocks to load, from first_block on
+
+
+@dataclass
+class _Saving:
+    """A prompt whose blocks are being saved as they are computed."""
+
+    digests: list[str]
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    computed: int = 0  # prompt tokens whose KV exists once the scheduled step has run
+    saved_blocks: int = 0  # leading blocks already handed to the workers (or loaded)
+
+
+class PoolSchedulerHalf:
+    def __init__(
+        self,
+        settings: PoolSettings,
+        *,
+        is_producer: bool,
+        is_consumer: bool,
+        block_size: int,
+        salt: str,
+        tp_size: int,
+        store: PoolStore | None,
+        replicated_kv: bool = False,
+    ):
+        """``replicated_kv``: every TP rank holds the same KV (MLA), stored once in the pool."""
+        self._settings = settings
+        self._is_producer, self._is_consumer = is_producer, is_consumer
+        self._block_size, self._salt, self._tp_size = block_size, salt, tp_size
+        self._key_ranks = key_ranks(tp_size, replicated_kv)
+        self._store = store  # lookup-only client (consumers)
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="mooncake-pool-lookup")
+        self._lookup: Future | None = None  # the last lookup (a stuck one blocks the next)
+        self._planned: dict[str, _Planned] = {}
+        self._loads: list[BlockTransfer] = []
+        # Requests whose load was planned (never again) → blocks from the prompt start it covers.
+        self._loaded: dict[str, int] = {}
+        self._saving: dict[str, _Saving] = {}
+        self._pins: BlockPins | None = None
+        self._stats = PoolStats()
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if not self._is_consumer or self._store is None or request.request_id in self._loaded:
+            return 0, False
+        prompt = request.prompt_token_ids or []
+        digests = chain_digests(prompt, self._block_size, self._salt)
+        first = num_computed_tokens // self._block_size
+        wanted = digests[first:]
+        if not wanted:
+            return 0, False
+        hits = self._count_hits(wanted)
+        self._stats.count("hit_blocks", hits)
+        self._stats.count("miss_blocks", len(wanted) - hits)
+        count = min(len(prompt), (first + hits) * self._block_size) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._planned[request.request_id] = _Planned(first, wanted[:hits])
+        return count, True
+
+    def _count_hits(self, digests: list[str]) -> int:
+        """Leading blocks every rank holds; 0 when the pool does not answer in time."""
+        self._stats.count("lookups")
+        if self._lookup is not None and not self._lookup.done():
+            self._stats.count("lookup_failures")  # the previous one is stuck: do not queue
+            return 0
+        keys = [k for r in range(self._key_ranks) for k in block_keys(digests, r)]
+        self._lookup = self._lookups.submit(self._store.exists, keys)
+        try:
+            exists = self._lookup.result(timeout=self._settings.lookup_timeout_s)
+            return leading_hits(exists, len(digests), self._key_ranks)
+        except FutureTimeout:
+            logger.warning("pool lookup not answered in %gs (lookup_timeout_s): counted as a "
+                           "miss", self._settings.lookup_timeout_s)  # fmt: skip
+        except Exception as e:
+            logger.warning("pool lookup failed (%s): counted as a miss", e)
+        self._stats.count("lookup_failures")
+        return 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        planned = self._planned.pop(request.request_id, None)
+        if planned is None or num_external_tokens == 0:
+            return
+        req_id = request.request_id
+        bs = self._block_size
+        end_token = planned.first_block * bs + num_external_tokens
+        count = min(len(planned.digests), -(-end_token // bs) - planned.first_block)
+        all_block_ids = blocks.get_block_ids()[0]
+        local = all_block_ids[planned.first_block : planned.first_block + count]
+        load = BlockTransfer(req_id, planned.digests[:count], list(local))
+        self._loads.append(load)
+        if self._pins is not None:
+            self._pins.pin(req_id, load.block_ids)
+        self._loaded[req_id] = planned.first_block + count  # need not be saved again
+
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        if self._is_consumer:
+            self._pins = BlockPins(pool, self._tp_size)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if self._pins is not None and isinstance(meta, MooncakeWorkerMeta):
+            self._pins.settle(meta.settled)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._pins)
+
+    # ---- save ----------------------------------------------------------------------------
+
+    def _track(self, scheduler_output: SchedulerOutput) -> None:
+        """Follow every scheduled prompt's blocks and computed length."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = new.prompt_token_ids or []
+            if not prompt:
+                continue
+            saving = _Saving(chain_digests(prompt, self._block_size, self._salt), len(prompt))
+            saving.block_ids = list(new.block_ids[0])
+            saving.saved_blocks = self._loaded.get(new.req_id, 0)
+            saving.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            self._saving[new.req_id] = saving
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            saving = self._saving.get(req_id)
+            if saving is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    saving.block_ids = list(new_ids[0])
+                else:
+                    saving.block_ids.extend(new_ids[0])
+            saving.computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+
+    def _saves(self, scheduler_output: SchedulerOutput) -> list[BlockTransfer]:
+        self._track(scheduler_output)
+        saves, done = [], []
+        bs = self._block_size
+        for req_id, s in self._saving.items():
+            computed = min(s.computed, s.prompt_len)
+            end = computed // bs
+            if computed == s.prompt_len and s.prompt_len % bs:
+                end += 1  # the trailing partial block, once the whole prompt is in it
+            end = min(end, len(s.block_ids))
+            if end > s.saved_blocks:
+                todo = slice(s.saved_blocks, end)
+                saves.append(BlockTransfer(req_id, s.digests[todo], s.block_ids[todo]))
+                s.saved_blocks = end
+            if s.saved_blocks >= len(s.digests):
+                done.append(req_id)
+        for req_id in done:
+            del self._saving[req_id]
+        return saves
+
+    # ---- every step ----------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PoolConnectorMetadata:
+        meta = PoolConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if self._is_producer:
+            meta.saves = self._saves(scheduler_output)
+        idle = not (meta.loads or meta.saves or scheduler_output.total_num_scheduled_tokens)
+        if idle and self._pins:
+            time.sleep(IDLE_STEP_PAUSE_S)  # waiting for a load: do not spin a core
+        return meta
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Blocks are never held for the pool: saves end within the step that computed them."""
+        req_id = request.request_id
+        self._saving.pop(req_id, None)
+        self._planned.pop(req_id, None)
+        self._loaded.pop(req_id, None)
+        return False, None
+
+    def get_stats(self) -> PoolStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, PoolStats()
+        return out
+
+    def shutdown(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        if self._store is not None:
+            self._store.close()

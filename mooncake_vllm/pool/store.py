@@ -1,0 +1,105 @@
+"""The only code that touches ``mooncake.store.MooncakeDistributedStore`` (wheel 0.3.13.post1).
+
+What the store does, measured on this wheel (see the README's pool section):
+- ``setup`` returns 0 or a negative code; against an address where no master listens it retries
+  for about 90 s, so ``config.check_reachable`` probes the master first.
+- ``batch_put_from_multi_buffers(keys, ptrs, sizes)`` stores one object per key from several
+  registered ranges (here: one block of every layer's K and V) with no copy on our side; it
+  returns 0 per key or a negative code (-200: no space left; -900: master unreachable, after a
+  few seconds of reconnecting). Putting a key that exists returns 0 and keeps the old value.
+- ``batch_get_into_multi_buffers`` fills the same ranges on the reader and returns the bytes
+  read per key, or a negative code (-704: no such object).
+- ``batch_is_exist`` returns 1/0/negative per key (-900 at once while the master is down).
+- After the master restarts, the client reconnects and remounts its segment by itself (the
+  pool is empty then).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+from mooncake_vllm.pool.config import PoolSettings
+
+logger = logging.getLogger(__name__)
+
+# Codes worth a name in a log line.
+CODES = {-200: "no space in the pool", -704: "not in the pool", -900: "master unreachable"}
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def describe(code: int) -> str:
+    return f"{code} ({CODES[code]})" if code in CODES else str(code)
+
+
+class PoolStore:
+    """One store client: mounts ``segment_bytes`` into the pool (0: a lookup-only client)."""
+
+    def __init__(self, settings: PoolSettings, segment_bytes: int, buffer_bytes: int):
+        # The store's transfer engine reads these once, at setup.
+        for k, v in settings.engine_env().items():
+            os.environ.setdefault(k, v)
+        from mooncake.store import MooncakeDistributedStore
+
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(
+            settings.local_hostname,
+            settings.metadata_server,
+            segment_bytes,
+            buffer_bytes,
+            settings.protocol,
+            settings.device_name,
+            settings.master_server_address,
+        )
+        if rc != 0:
+            raise StoreError(
+                f"Mooncake Store setup failed ({describe(rc)}) with master_server_address="
+                f"{settings.master_server_address!r}, metadata_server={settings.metadata_server!r}"
+                f", global_segment_size={segment_bytes}: check both servers run and the sizes"
+            )
+        self._registered: list[int] = []
+
+    def register(self, addr: int, nbytes: int) -> None:
+        rc = self._store.register_buffer(addr, nbytes)
+        if rc != 0:
+            raise StoreError(f"register_buffer({addr:#x}, {nbytes}) failed: {describe(rc)}")
+        self._registered.append(addr)
+
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        return list(self._store.batch_is_exist(list(keys))) if keys else []
+
+    def put(self, keys: Sequence[str], ranges: Sequence[tuple[list[int], list[int]]]) -> list[int]:
+        """``ranges[i]`` = (addresses, sizes) of key ``i``'s value; 0 or a negative code each."""
+        if not keys:
+            return []
+        return list(
+            self._store.batch_put_from_multi_buffers(
+                list(keys), [r[0] for r in ranges], [r[1] for r in ranges]
+            )
+        )
+
+    def get(self, keys: Sequence[str], ranges: Sequence[tuple[list[int], list[int]]]) -> list[int]:
+        """Bytes read per key, or a negative code."""
+        if not keys:
+            return []
+        return list(
+            self._store.batch_get_into_multi_buffers(
+                list(keys), [r[0] for r in ranges], [r[1] for r in ranges]
+            )
+        )
+
+    def close(self) -> None:
+        for addr in self._registered:
+            try:
+                self._store.unregister_buffer(addr)
+            except Exception as e:  # closing anyway
+                logger.debug("unregister_buffer(%#x): %s", addr, e)
+        self._registered = []
+        try:
+            self._store.close()
+        except Exception as e:
+            logger.debug("store close: %s", e)

@@ -1,0 +1,259 @@
+"""The pool's worker half: runs in every vLLM worker process and moves the KV.
+
+Setup: mounts ``global_segment_size`` of this process's DRAM into the pool and registers the KV
+cache tensors with the store, so puts read from and gets write into vLLM's blocks directly. One
+block's value in the pool is that block of every layer's K and V (every segment of
+``planning.tensor_segments``, in layer-name order), laid end to end.
+
+Save: ``wait_for_save`` — called by vLLM after the step's forward pass, before the step's output
+leaves the worker — asks the pool which of the step's completed blocks it lacks and puts those.
+A put that fails (pool full, master away) is logged and counted; the request is unaffected.
+
+Load: each load is one job on a small thread pool, off the forward path; its outcome is collected
+by ``get_transfer_results`` on the step thread. A get that fails, or is not done within
+``load_timeout_s``, is reported in ``failed_recving`` and vLLM's ``kv_load_failure_policy``
+decides. The store cannot cancel a get, so a job reported at its deadline keeps its blocks pinned
+(by the scheduler half) until its thread returns and this worker reports it settled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from mooncake_vllm.planning import tensor_segments
+from mooncake_vllm.pool.config import PoolSettings
+from mooncake_vllm.pool.keys import block_keys, key_rank
+from mooncake_vllm.pool.stats import PoolStats
+from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
+from mooncake_vllm.pool.store import PoolStore, describe
+from mooncake_vllm.protocol import MemSegment
+from mooncake_vllm.step_metadata import MooncakeWorkerMeta
+
+logger = logging.getLogger(__name__)
+
+_LOAD_THREADS = 4
+# A load not done this long after its deadline is reported failed without waiting for its thread.
+_REPORT_AFTER_S = 0.25
+_WARN_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    req_id: str
+    ok: bool
+    reason: str = ""
+    blocks: int = 0
+    nbytes: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass
+class _LoadJob:
+    future: Future
+    deadline: float
+    reported: bool = False
+
+
+def block_ranges(segments: list[MemSegment], block_id: int) -> tuple[list[int], list[int]]:
+    """Addresses and sizes of one block's value: the block in every segment, in order."""
+    return (
+        [s.base_addr + block_id * s.block_stride for s in segments],
+        [s.block_len for s in segments],
+    )
+
+
+class PoolWorkerHalf:
+    def __init__(
+        self,
+        settings: PoolSettings,
+        *,
+        is_producer: bool,
+        is_consumer: bool,
+        tp_rank: int,
+        num_blocks: int,
+        replicated_kv: bool = False,
+    ):
+        """``replicated_kv``: every TP rank holds the same KV (MLA): rank 0 alone puts it, once
+        per engine, and every rank gets that copy."""
+        self._settings = settings
+        self._is_producer, self._is_consumer = is_producer, is_consumer
+        self._tp_rank, self._num_blocks = tp_rank, num_blocks
+        self._key_rank = key_rank(tp_rank, replicated_kv)
+        self._puts_blocks = self._key_rank == tp_rank
+        self._store: PoolStore | None = None
+        self._segments: list[MemSegment] = []
+        self._block_bytes = 0
+        self._jobs: dict[str, _LoadJob] = {}
+        self._settled: list[str] = []
+        self._stats = PoolStats()
+        self._stats_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="mooncake-pool-get")
+        self._saves: list[BlockTransfer] = []
+        self._last_put_warning = -_WARN_EVERY_S
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        segments: list[MemSegment] = []
+        storages: dict[int, int] = {}
+        for name in sorted(kv_caches):  # every instance enumerates layers in the same order
+            t = kv_caches[name]
+            segments += tensor_segments(
+                t.data_ptr(), tuple(t.shape), t.stride(), t.element_size(), self._num_blocks
+            )
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+        self._segments = segments
+        self._block_bytes = sum(s.block_len for s in segments)
+        s = self._settings
+        self._store = PoolStore(s, s.global_segment_size, s.local_buffer_size)
+        for addr, nbytes in sorted(storages.items()):
+            self._store.register(addr, nbytes)
+        logger.info(
+            "MooncakeStoreConnector worker rank %d: %d layers, %d segments, %d B/block; "
+            "mounted %d B into the pool at %s", self._tp_rank, len(kv_caches), len(segments),
+            self._block_bytes, s.global_segment_size, s.master_server_address,
+        )  # fmt: skip
+
+    def _ranges(self, block_ids: list[int]) -> list[tuple[list[int], list[int]]]:
+        return [block_ranges(self._segments, b) for b in block_ids]
+
+    # ---- save ----------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: PoolConnectorMetadata) -> None:
+        self._saves = list(meta.saves)
+        for load in meta.loads:
+            deadline = time.monotonic() + self._settings.load_timeout_s
+            future = self._pool.submit(self._load, load)
+            self._jobs[load.req_id] = _LoadJob(future, deadline)
+
+    def wait_for_save(self) -> None:
+        """Put this step's completed blocks that the pool lacks; never raises."""
+        saves, self._saves = self._saves, []
+        if not saves or self._store is None or not self._puts_blocks:
+            return
+        start = time.monotonic()
+        keys: list[str] = []
+        block_ids: list[int] = []
+        for save in saves:
+            keys += block_keys(save.digests, self._key_rank)
+            block_ids += save.block_ids
+        try:
+            exists = self._store.exists(keys)
+        except Exception as e:
+            logger.warning("pool existence check before a put failed (%s): putting all", e)
+            exists = [0] * len(keys)
+        todo = [i for i, e in enumerate(exists) if e != 1]
+        skipped = len(keys) - len(todo)
+        if any(e < 0 for e in exists):
+            # The master did not answer (-900 comes at once): a put would spend seconds
+            # reconnecting inside this step, delaying every request in it. Count and move on.
+            self._count_put(0, skipped, len(todo), start)
+            self._warn_put(f"pool unreachable ({describe(min(exists))}): {len(todo)} blocks "
+                           "not put")  # fmt: skip
+            return
+        try:
+            codes = self._store.put(
+                [keys[i] for i in todo], self._ranges([block_ids[i] for i in todo])
+            )
+        except Exception as e:
+            codes = [str(e)] * len(todo)
+        bad = [c for c in codes if c != 0]
+        if bad:
+            first = describe(bad[0]) if isinstance(bad[0], int) else bad[0]
+            self._warn_put(f"put of {len(bad)} of {len(todo)} blocks failed (first: {first})")
+        self._count_put(len(todo) - len(bad), skipped, len(bad), start)
+
+    def _count_put(self, put: int, skipped: int, failed: int, start: float) -> None:
+        with self._stats_lock:
+            self._stats.count("put_blocks", put)
+            self._stats.count("put_bytes", put * self._block_bytes)
+            self._stats.count("put_skipped_blocks", skipped)
+            self._stats.count("put_failures", failed)
+            self._stats.sample("put_durations_s", time.monotonic() - start)
+
+    def _warn_put(self, what: str) -> None:
+        """At most one warning per ``_WARN_EVERY_S``: a full pool or an absent master would
+        otherwise log every step."""
+        now = time.monotonic()
+        if now - self._last_put_warning >= _WARN_EVERY_S:
+            self._last_put_warning = now
+            logger.warning("pool %s; those prompts are computed again where needed (the "
+                           "requests are unaffected)", what)  # fmt: skip
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def _load(self, load: BlockTransfer) -> LoadOutcome:
+        start = time.monotonic()
+        try:
+            keys = block_keys(load.digests, self._key_rank)
+            results = self._store.get(keys, self._ranges(load.block_ids))
+            for key, n in zip(keys, results, strict=True):
+                if n != self._block_bytes:
+                    what = describe(n) if n < 0 else f"{n} B, expected {self._block_bytes}"
+                    raise RuntimeError(f"get of {key} returned {what}")
+            return LoadOutcome(
+                load.req_id, True, blocks=len(keys), nbytes=len(keys) * self._block_bytes,
+                duration_s=time.monotonic() - start,
+            )  # fmt: skip
+        except Exception as e:
+            return LoadOutcome(load.req_id, False, reason=f"{type(e).__name__}: {e}")
+
+    def _collect(self) -> list[LoadOutcome]:
+        out = []
+        now = time.monotonic()
+        for req_id, job in list(self._jobs.items()):
+            if job.future.done():
+                del self._jobs[req_id]
+                self._settled.append(req_id)
+                if not job.reported:
+                    out.append(job.future.result())  # _load never raises
+            elif not job.reported and now > job.deadline + _REPORT_AFTER_S:
+                job.reported = True
+                reason = (f"not done {self._settings.load_timeout_s:g}s (load_timeout_s) after "
+                          "it started; its blocks stay pinned until it has ended")  # fmt: skip
+                out.append(LoadOutcome(req_id, False, reason=reason))
+        return out
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        for outcome in self._collect():
+            results.finished_recving.add(outcome.req_id)
+            with self._stats_lock:
+                if outcome.ok:
+                    self._stats.count("loads")
+                    self._stats.count("get_blocks", outcome.blocks)
+                    self._stats.count("get_bytes", outcome.nbytes)
+                    self._stats.sample("get_durations_s", outcome.duration_s)
+                else:
+                    logger.warning("request %s: load from the pool failed: %s",
+                                   outcome.req_id, outcome.reason)  # fmt: skip
+                    results.failed_recving.add(outcome.req_id)
+                    self._stats.count("load_failures")
+        return results
+
+    def build_worker_meta(self) -> MooncakeWorkerMeta | None:
+        if not self._settled:
+            return None
+        meta, self._settled = MooncakeWorkerMeta(self._settled), []
+        return meta
+
+    def get_stats(self) -> PoolStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, PoolStats()
+            return out
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._store is not None:
+            self._store.close()
+            self._store = None

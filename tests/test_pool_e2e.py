@@ -1,0 +1,216 @@
+"""Pool mode end to end: a real mooncake_master (with its http metadata server), one prefill and
+two decodes with ``MooncakeStoreConnector``, and a plain vLLM to compare with token for token.
+
+Requests go the way of the minimal proxy in Mooncake's vLLM guide: the client's JSON to prefill
+with ``max_tokens=1``, then the original JSON to a decode, and no ``kv_transfer_params`` anywhere.
+The prompt has to reach the decode through the pool, and the decode's own vLLM counters
+(``prompt_tokens_by_source{source="external_kv_transfer"}``) say whether it did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import pytest
+
+from harness.pd import ServerSpec, client_session, complete, start_many
+from harness.servers import start_mooncake_master
+
+pytestmark = pytest.mark.servers
+
+MAX_TOKENS = 8
+# 200–1400 tokens as in the issue, plus block boundaries (CPU block: 128) and short prompts.
+LENGTHS = [1, 5, 127, 128, 129, 200, 255, 256, 257, 300, 383, 450, 511, 512, 513, 640, 700,
+           769, 900, 1000, 1023, 1025, 1200, 1400]  # fmt: skip
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+
+
+def pool_args(role: str, extra: dict, **top) -> list[str]:
+    cfg = {"kv_connector": "MooncakeStoreConnector", "kv_role": role, **top}
+    cfg["kv_connector_extra_config"] = extra
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_model):
+    master = start_mooncake_master()
+    extra = {
+        "master_server_address": master.address,
+        "metadata_server": master.metadata_url,
+        "global_segment_size": "256MB",
+        "load_timeout_s": 10,
+    }
+    specs = [
+        ServerSpec("plain", args=["--distributed-executor-backend", "uni"]),
+        ServerSpec("pool-prefill", args=pool_args("kv_both", extra)),
+        ServerSpec("pool-decode1", args=pool_args("kv_both", extra)),
+        # The explicit form, with vLLM's plugins off, as a consumer only.
+        ServerSpec(
+            "pool-decode2",
+            args=pool_args(
+                "kv_consumer",
+                extra,
+                kv_connector_module_path="mooncake_vllm.pool.connector",
+                kv_load_failure_policy="recompute",
+            ),
+            env={"VLLM_PLUGINS": ""},
+        ),
+    ]
+    try:
+        servers = start_many(tiny_model, specs)
+    except Exception:
+        master.stop()
+        raise
+    state = dict(zip(("plain", "prefill", "decode1", "decode2"), servers, strict=True))
+    state.update(master=master, model=tiny_model)
+    yield state
+    for srv in [*reversed(servers), state["master"]]:  # a test may restart the master
+        srv.stop()
+
+
+def prompts(seed: int, lengths=LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2048) for _ in range(n)] for n in lengths]
+
+
+def body(model: str, prompt, **kw) -> dict:
+    # ignore_eos: every answer is MAX_TOKENS long, so every one compares that many tokens.
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, **kw}  # fmt: skip
+
+
+async def minimal_proxy(http, prefill, decode, request: dict):
+    """What the guide's minimal proxy does: prefill with max_tokens=1, then the original request
+    to decode; nothing passed between them."""
+    await complete(http, prefill, {**request, "max_tokens": 1, "stream": False})
+    return await complete(http, decode, request)
+
+
+async def eventually(check, timeout_s: float = 15.0):
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "counter did not settle"
+        await asyncio.sleep(0.25)
+
+
+def pool_counter(srv, name: str) -> float:
+    return srv.metric(f"mooncake_vllm:pool_{name}_total")
+
+
+@pytest.fixture
+async def http():
+    async with client_session() as s:
+        yield s
+
+
+async def test_minimal_proxy_outputs_equal_plain_and_prompts_come_from_the_pool(pool, http):
+    model, prefill, decode = pool["model"], pool["prefill"], pool["decode1"]
+    batch = prompts(seed=1)
+    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
+    mismatches = []
+    for i, prompt in enumerate(batch):
+        stream = i % 2 == 1
+        ref = await complete(http, pool["plain"], body(model, prompt))
+        got = await minimal_proxy(http, prefill, decode, body(model, prompt, stream=stream))
+        assert len(got.token_ids) == MAX_TOKENS
+        if got.token_ids != ref.token_ids:
+            mismatches.append((len(prompt), stream, ref.token_ids, got.token_ids))
+    assert not mismatches, (
+        f"decode differs from plain for (len, stream, plain, decode): {mismatches}"
+    )
+    total = sum(len(p) for p in batch)
+    ext = decode.metric(EXTERNAL, source="external_kv_transfer") - ext0
+    print(f"decode1: {ext:.0f} of {total} prompt tokens from the pool ({100 * ext / total:.1f} %)")
+    assert ext >= 0.95 * total
+    await eventually(lambda: pool_counter(prefill, "put_blocks") > 0)
+    for srv in (prefill, decode):
+        assert pool_counter(srv, "load_failures") == 0
+        assert pool_counter(srv, "put_failures") == 0
+
+
+async def test_a_prefill_ending_on_a_stop_token_is_in_the_pool_too(pool, http):
+    model, prefill, decode = pool["model"], pool["prefill"], pool["decode1"]
+    prompt = prompts(seed=2, lengths=[700])[0]
+    ref = await complete(http, pool["plain"], body(model, prompt))
+    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
+    head = await complete(
+        http, prefill, body(model, prompt, max_tokens=1, stop_token_ids=[ref.token_ids[0]])
+    )
+    assert head.finish_reason == "stop"
+    got = await complete(http, decode, body(model, prompt))
+    assert got.token_ids == ref.token_ids
+    assert decode.metric(EXTERNAL, source="external_kv_transfer") - ext0 >= 0.95 * len(prompt)
+
+
+async def test_a_second_decode_reuses_prompts_prefilled_earlier(pool, http):
+    """Prompts prefilled once (through decode1's minimal-proxy pair) are asked of decode2,
+    which never saw them: they come from the pool, and a multi-turn chat's later turn reuses
+    the earlier turns on whichever decode it lands."""
+    model, prefill = pool["model"], pool["prefill"]
+    decode1, decode2 = pool["decode1"], pool["decode2"]
+    batch = prompts(seed=3, lengths=LENGTHS[5:])
+    for prompt in batch:
+        await complete(http, prefill, body(model, prompt, max_tokens=1))
+    ext0 = decode2.metric(EXTERNAL, source="external_kv_transfer")
+    for i, prompt in enumerate(batch):
+        ref = await complete(http, pool["plain"], body(model, prompt))
+        got = await complete(http, decode2, body(model, prompt, stream=i % 2 == 0))
+        assert got.token_ids == ref.token_ids, len(prompt)
+    total = sum(len(p) for p in batch)
+    ext = decode2.metric(EXTERNAL, source="external_kv_transfer") - ext0
+    print(f"decode2: {ext:.0f} of {total} prompt tokens from the pool ({100 * ext / total:.1f} %)")
+    assert ext >= 0.90 * total
+
+    # Multi-turn: turn 1 on decode1 (behind the minimal proxy), turn 2 = turn 1 + its answer +
+    # a new question, on decode2 straight away: the shared history comes from the pool.
+    turn1 = prompts(seed=4, lengths=[600])[0]
+    answer = await minimal_proxy(http, prefill, decode1, body(model, turn1))
+    turn2 = turn1 + answer.token_ids + prompts(seed=5, lengths=[90])[0]
+    ext0 = decode2.metric(EXTERNAL, source="external_kv_transfer")
+    ref = await complete(http, pool["plain"], body(model, turn2))
+    got = await complete(http, decode2, body(model, turn2))
+    assert got.token_ids == ref.token_ids
+    assert decode2.metric(EXTERNAL, source="external_kv_transfer") - ext0 >= len(turn1) // 128 * 128
+    assert pool_counter(decode2, "load_failures") == 0
+    assert pool_counter(decode2, "put_blocks") == 0  # kv_consumer: gets only
+
+
+async def test_master_killed_requests_recompute_and_the_pool_returns_with_it(pool, http):
+    """Last in this module: it stops the master. Without it every request is computed where it
+    lands (token-exact, no failure, vLLM keeps serving); with it back on the same ports, the
+    clients reconnect by themselves and the pool serves again."""
+    model, prefill, decode = pool["model"], pool["prefill"], pool["decode1"]
+    master = pool["master"]
+    master.stop()
+    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
+    for i, prompt in enumerate(prompts(seed=6, lengths=[300, 700, 129])):
+        ref = await complete(http, pool["plain"], body(model, prompt))
+        got = await minimal_proxy(http, prefill, decode, body(model, prompt, stream=i == 1))
+        assert got.token_ids == ref.token_ids
+    assert decode.metric(EXTERNAL, source="external_kv_transfer") == ext0  # all recomputed
+    await eventually(lambda: pool_counter(prefill, "put_failures") > 0)
+    assert pool_counter(decode, "load_failures") == 0
+
+    pool["master"] = start_mooncake_master(
+        master.host, master.port, metadata_port=master.metadata_port
+    )
+    lengths = [300, 700, 1000]
+    total = sum(lengths)
+
+    async def pool_serves_again(batch) -> float:
+        ext_before = decode.metric(EXTERNAL, source="external_kv_transfer")
+        for prompt in batch:
+            ref = await complete(http, pool["plain"], body(model, prompt))
+            got = await minimal_proxy(http, prefill, decode, body(model, prompt))
+            assert got.token_ids == ref.token_ids
+        return decode.metric(EXTERNAL, source="external_kv_transfer") - ext_before
+
+    # The store clients notice the new master at their next heartbeat: allow a few rounds.
+    deadline, seed = time.monotonic() + 60, 7
+    while (ext := await pool_serves_again(prompts(seed, lengths))) < 0.95 * total:
+        assert time.monotonic() < deadline, f"pool not used again: {ext} of {total} tokens"
+        seed += 1  # fresh prompts, not in decode's prefix cache
+        await asyncio.sleep(2)

@@ -1,0 +1,187 @@
+"""The pool's scheduler half in-process, with a dict for a store and stub requests and scheduler
+outputs shaped like vLLM's: what it claims from the pool, which blocks it loads into, and which
+blocks each step saves (no vLLM engine, no servers)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from mooncake_vllm.config import load_settings
+from mooncake_vllm.pool.config import PoolSettings
+from mooncake_vllm.pool.keys import block_keys, chain_digests
+from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
+
+BLOCK = 128
+SALT = "c" * 64
+PROMPT = list(range(100, 400))  # 300 tokens: blocks 0, 1 full, block 2 partial (44 tokens)
+DIGESTS = chain_digests(PROMPT, BLOCK, SALT)
+
+
+class DictStore:
+    """Answers existence checks like ``PoolStore.exists`` from a set of keys."""
+
+    def __init__(self, keys=(), delay: threading.Event | None = None):
+        self.keys, self.delay, self.asked = set(keys), delay, []
+
+    def exists(self, keys):
+        self.asked.append(list(keys))
+        if self.delay is not None:
+            self.delay.wait(5)
+        return [1 if k in self.keys else 0 for k in keys]
+
+    def close(self):
+        pass
+
+
+def half(
+    store, *, producer=True, consumer=True, tp_size=1, replicated=False, **settings
+) -> PoolSchedulerHalf:
+    s = load_settings(
+        {"master_server_address": "127.0.0.1:1", "metadata_server": "P2PHANDSHAKE", **settings},
+        env={},
+        model=PoolSettings,
+    )
+    return PoolSchedulerHalf(s, is_producer=producer, is_consumer=consumer, block_size=BLOCK,
+                             salt=SALT, tp_size=tp_size, store=store,
+                             replicated_kv=replicated)  # fmt: skip
+
+
+def request(req_id="r1", prompt=PROMPT):
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt)
+
+
+class Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def step(new=(), cached=(), scheduled=None):
+    """A SchedulerOutput: ``new`` = (req_id, prompt, block_ids, computed) tuples, ``cached`` =
+    (req_id, new_block_ids, computed) tuples, ``scheduled`` = {req_id: tokens}."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, prompt_token_ids=p, block_ids=(b,), num_computed_tokens=c)
+            for r, p, b, c in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached],
+            resumed_req_ids=set(),
+            new_block_ids=[(b,) if b is not None else None for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached],
+        ),
+        num_scheduled_tokens=scheduled or {},
+        total_num_scheduled_tokens=sum((scheduled or {}).values()),
+    )
+
+
+@pytest.mark.parametrize(
+    ("in_pool", "local", "claimed"),
+    [
+        (3, 0, 300),  # the whole prompt, partial tail included
+        (3, 128, 172),  # beyond the local prefix cache only
+        (2, 0, 256),  # the full blocks
+        (1, 128, 0),  # the pool has nothing beyond the local cache
+        (0, 0, 0),
+    ],
+)
+def test_claims_the_leading_blocks_the_pool_holds(in_pool, local, claimed):
+    store = DictStore(block_keys(DIGESTS[:in_pool], 0))
+    h = half(store)
+    assert h.get_num_new_matched_tokens(request(), local) == (claimed, claimed > 0)
+    # One batched question, for the blocks beyond the local cache only.
+    assert store.asked == [block_keys(DIGESTS[local // BLOCK :], 0)]
+
+
+def test_every_tp_rank_must_hold_a_block():
+    store = DictStore(block_keys(DIGESTS, 0) + block_keys(DIGESTS[:1], 1))
+    h = half(store, tp_size=2)
+    assert h.get_num_new_matched_tokens(request(), 0) == (128, True)
+
+
+def test_replicated_kv_is_looked_up_once_whatever_the_tp_size():
+    """MLA: one copy per engine, under rank 0; rank 1's keys are never asked for."""
+    one_rank = half(DictStore(block_keys(DIGESTS, 0)), tp_size=1)
+    store = DictStore(block_keys(DIGESTS, 0))
+    h = half(store, tp_size=2, replicated=True)
+    matched = h.get_num_new_matched_tokens(request(), 0)
+    assert matched == one_rank.get_num_new_matched_tokens(request(), 0) and matched[0] > 0
+    assert store.asked == [block_keys(DIGESTS, 0)]
+    # Not replicated, the same pool holds rank 0's copy only: no block counts.
+    assert half(DictStore(block_keys(DIGESTS, 0)), tp_size=2).get_num_new_matched_tokens(
+        request(), 0
+    ) == (0, False)
+
+
+def test_the_load_names_digests_and_destination_blocks_and_is_claimed_once():
+    h = half(DictStore(block_keys(DIGESTS, 0)))
+    assert h.get_num_new_matched_tokens(request(), 128) == (172, True)
+    h.update_state_after_alloc(request(), Blocks([7, 8, 9]), 172)
+    meta = h.build_connector_meta(step())
+    assert [(m.digests, m.block_ids) for m in meta.loads] == [(DIGESTS[1:], [8, 9])]
+    assert h.get_num_new_matched_tokens(request(), 128) == (0, False)  # after the load: local
+    assert h.build_connector_meta(step()).loads == []
+    h.request_finished(request())
+    assert h.get_num_new_matched_tokens(request(), 128) == (172, True)  # a new request again
+
+
+def test_vllm_trimming_the_claim_trims_the_load():
+    h = half(DictStore(block_keys(DIGESTS, 0)))
+    h.get_num_new_matched_tokens(request(), 0)
+    h.update_state_after_alloc(request(), Blocks([4, 5, 6]), 256)
+    assert h.build_connector_meta(step()).loads[0].block_ids == [4, 5]
+
+
+def test_a_slow_pool_is_a_miss_within_lookup_timeout_s():
+    gate = threading.Event()
+    h = half(DictStore(block_keys(DIGESTS, 0), delay=gate), lookup_timeout_s=0.2)
+    try:
+        assert h.get_num_new_matched_tokens(request(), 0) == (0, False)
+        # The stuck lookup is not queued behind: the next one is a miss at once.
+        assert h.get_num_new_matched_tokens(request("r2"), 0) == (0, False)
+        assert h.get_stats().data["lookup_failures"] == 2
+    finally:
+        gate.set()
+        h.shutdown()
+
+
+def test_a_producer_only_instance_never_looks_up():
+    store = DictStore(block_keys(DIGESTS, 0))
+    assert half(store, consumer=False).get_num_new_matched_tokens(request(), 0) == (0, False)
+    assert store.asked == []
+
+
+def test_saves_follow_chunked_prefill_and_end_with_the_partial_tail():
+    h = half(None, consumer=False)
+    # Step 1: 200 of 300 tokens computed: block 0 is complete.
+    meta = h.build_connector_meta(step(new=[("r1", PROMPT, [3, 4], 0)], scheduled={"r1": 200}))
+    assert [(s.digests, s.block_ids) for s in meta.saves] == [(DIGESTS[:1], [3])]
+    # Step 2: the rest: block 1 and the 44-token tail.
+    meta = h.build_connector_meta(step(cached=[("r1", [5], 200)], scheduled={"r1": 100}))
+    assert [(s.digests, s.block_ids) for s in meta.saves] == [(DIGESTS[1:], [4, 5])]
+    # Step 3: decode tokens: nothing more to save.
+    assert h.build_connector_meta(step(cached=[("r1", None, 300)], scheduled={"r1": 1})).saves == []
+
+
+def test_loaded_blocks_are_not_saved_again():
+    h = half(DictStore(block_keys(DIGESTS[:2], 0)))
+    h.get_num_new_matched_tokens(request(), 0)
+    h.update_state_after_alloc(request(), Blocks([3, 4, 5]), 256)
+    h.build_connector_meta(step())
+    meta = h.build_connector_meta(step(new=[("r1", PROMPT, [3, 4, 5], 256)], scheduled={"r1": 44}))
+    assert [(s.digests, s.block_ids) for s in meta.saves] == [(DIGESTS[2:], [5])]
+
+
+def test_a_consumer_only_instance_saves_nothing():
+    h = half(DictStore(), producer=False)
+    assert (
+        h.build_connector_meta(
+            step(new=[("r1", PROMPT, [3, 4, 5], 0)], scheduled={"r1": 300})
+        ).saves
+        == []
+    )
