@@ -119,6 +119,38 @@ def test_replicated_kv_is_put_by_rank_0_alone_and_read_by_any_rank(master, pair)
         rank1.shutdown()
 
 
+def test_a_get_refused_for_an_expired_lease_is_asked_again(pair, monkeypatch):
+    """The store refuses a read that outlived the master's lease (-707) though the object may
+    still be there: the load asks again and succeeds, and the retry is counted."""
+    writer, _, reader, _ = pair
+    save(writer, ["lease0", "lease1"], [30, 31])
+    real_get, calls = reader._store.get, []
+
+    def get_refused_once(keys, ranges):
+        calls.append(list(keys))
+        return [-707] * len(keys) if len(calls) == 1 else real_get(keys, ranges)
+
+    monkeypatch.setattr(reader._store, "get", get_refused_once)
+    assert load(reader, "r4", ["lease0", "lease1"], [32, 33])
+    assert len(calls) == 2
+    stats = reader.get_stats().data
+    assert (stats["get_retries"], stats["load_failures"]) == (1, 0)
+
+
+def test_a_get_refused_until_the_deadline_fails_the_load_at_the_deadline(pair, monkeypatch):
+    reader = pair[2]
+    monkeypatch.setattr(reader._store, "get", lambda keys, ranges: [-707] * len(keys))
+    monkeypatch.setattr(
+        reader, "_settings", reader._settings.model_copy(update={"load_timeout_s": 0.5})
+    )
+    start = time.monotonic()
+    assert not load(reader, "r5", ["a0"], [14])
+    assert time.monotonic() - start < 0.5 + 1.0
+    stats = reader.get_stats().data
+    # Asked again after a pause that grows (50, 100, 200 ms ...), not in a tight loop.
+    assert stats["load_failures"] == 1 and 2 <= stats["get_retries"] <= 5
+
+
 def test_a_full_pool_fails_puts_without_raising(pair):
     writer = pair[0]
     # 2 × 16 MiB mounted, 256 KiB a block: 200 blocks cannot all fit.
@@ -130,8 +162,14 @@ def test_a_full_pool_fails_puts_without_raising(pair):
 def test_a_dead_master_fails_puts_at_once_and_loads_within_their_deadline(master, pair):
     writer, _, reader, _ = pair
     master.stop()
+    # The first call after the master's death waits ~4.5 s in the store's RPC before it fails;
+    # then PoolStore answers -900 itself for a while, and a step's puts must not wait at all.
+    deadline = time.monotonic() + 15
+    while min(writer._store.exists(["probe"])) >= 0:
+        assert time.monotonic() < deadline, "the store client did not notice the dead master"
+        time.sleep(0.1)
     start = time.monotonic()
     stats = save(writer, ["dead0", "dead1"], [1, 2])
     assert stats["put_failures"] == 2
-    assert time.monotonic() - start < 2.0  # not the store's seconds of reconnecting
+    assert time.monotonic() - start < 0.5  # not the store's seconds of reconnecting
     assert not load(reader, "r3", ["a0"], [13], timeout_s=15)

@@ -27,6 +27,7 @@ COUNTERS = {
     "loads": "loads from the pool that completed",
     "get_blocks": "blocks read from the pool",
     "get_bytes": "bytes read from the pool",
+    "get_retries": "gets asked again after a repeatable failure (lease expired, transfer failed)",
     "load_failures": "loads that failed or timed out (then vLLM's kv_load_failure_policy)",
 }
 SAMPLES = {

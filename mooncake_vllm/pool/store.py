@@ -9,7 +9,9 @@ What the store does, measured on this wheel (see the README's pool section):
   few seconds of reconnecting). Putting a key that exists returns 0 and keeps the old value.
 - ``batch_get_into_multi_buffers`` fills the same ranges on the reader and returns the bytes
   read per key, or a negative code (-704: no such object).
-- ``batch_is_exist`` returns 1/0/negative per key (-900 at once while the master is down).
+- ``batch_is_exist`` returns 1/0/negative per key; while the master is down every call waits
+  about 4.5 s in the client's RPC before it answers -900, so after a -900 this class answers -900
+  itself, without asking, for a while (``MasterAway``): a step must not wait on a dead master.
 - After the master restarts, the client reconnects and remounts its segment by itself (the
   pool is empty then).
 """
@@ -18,14 +20,28 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 from mooncake_vllm.pool.config import PoolSettings
 
 logger = logging.getLogger(__name__)
 
 # Codes worth a name in a log line.
-CODES = {-200: "no space in the pool", -704: "not in the pool", -900: "master unreachable"}
+CODES = {
+    -200: "no space in the pool",
+    -704: "not in the pool",
+    -707: "lease expired before the read ended",
+    -800: "transfer failed",
+    -900: "master unreachable",
+    -901: "master timed out",
+}
+# Get results worth asking again: the object may still be there. -707: the master's lease on
+# the object (mooncake_master --default_kv_lease_ttl, 5 s) ran out while a starved read was
+# going on; the bytes are right but the object could have been evicted under the reader, so
+# the store refuses them.
+RETRYABLE = frozenset({-707, -800, -901})
 
 
 class StoreError(RuntimeError):
@@ -34,6 +50,34 @@ class StoreError(RuntimeError):
 
 def describe(code: int) -> str:
     return f"{code} ({CODES[code]})" if code in CODES else str(code)
+
+
+MASTER_UNREACHABLE = -900
+
+
+class MasterAway:
+    """After a call answered "master unreachable", calls are not made for ``quiet_s`` (1 s,
+    doubling up to 16 s while the master stays away); a call that gets through resets it."""
+
+    FIRST_QUIET_S, MAX_QUIET_S = 1.0, 16.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._until = 0.0
+        self._quiet_s = 0.0
+
+    def away(self) -> bool:
+        with self._lock:
+            return self._clock() < self._until
+
+    def record(self, codes: Sequence[int]) -> None:
+        with self._lock:
+            if MASTER_UNREACHABLE in codes:
+                self._quiet_s = min(2 * self._quiet_s or self.FIRST_QUIET_S, self.MAX_QUIET_S)
+                self._until = self._clock() + self._quiet_s
+            else:
+                self._quiet_s = 0.0
 
 
 class PoolStore:
@@ -62,6 +106,17 @@ class PoolStore:
                 f", global_segment_size={segment_bytes}: check both servers run and the sizes"
             )
         self._registered: list[int] = []
+        self._master = MasterAway()
+
+    def _ask(self, call, keys: Sequence[str], *args) -> list[int]:
+        """``call(keys, *args)`` per key, or -900 for every key while the master is away."""
+        if not keys:
+            return []
+        if self._master.away():
+            return [MASTER_UNREACHABLE] * len(keys)
+        codes = list(call(list(keys), *args))
+        self._master.record(codes)
+        return codes
 
     def register(self, addr: int, nbytes: int) -> None:
         rc = self._store.register_buffer(addr, nbytes)
@@ -70,27 +125,22 @@ class PoolStore:
         self._registered.append(addr)
 
     def exists(self, keys: Sequence[str]) -> list[int]:
-        return list(self._store.batch_is_exist(list(keys))) if keys else []
+        """1 or 0 per key, or a negative code."""
+        return self._ask(self._store.batch_is_exist, keys)
 
     def put(self, keys: Sequence[str], ranges: Sequence[tuple[list[int], list[int]]]) -> list[int]:
         """``ranges[i]`` = (addresses, sizes) of key ``i``'s value; 0 or a negative code each."""
-        if not keys:
-            return []
-        return list(
-            self._store.batch_put_from_multi_buffers(
-                list(keys), [r[0] for r in ranges], [r[1] for r in ranges]
-            )
-        )
+        return self._ask(
+            self._store.batch_put_from_multi_buffers,
+            keys, [r[0] for r in ranges], [r[1] for r in ranges],
+        )  # fmt: skip
 
     def get(self, keys: Sequence[str], ranges: Sequence[tuple[list[int], list[int]]]) -> list[int]:
         """Bytes read per key, or a negative code."""
-        if not keys:
-            return []
-        return list(
-            self._store.batch_get_into_multi_buffers(
-                list(keys), [r[0] for r in ranges], [r[1] for r in ranges]
-            )
-        )
+        return self._ask(
+            self._store.batch_get_into_multi_buffers,
+            keys, [r[0] for r in ranges], [r[1] for r in ranges],
+        )  # fmt: skip
 
     def close(self) -> None:
         for addr in self._registered:

@@ -32,7 +32,7 @@ from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, key_rank
 from mooncake_vllm.pool.stats import PoolStats
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
-from mooncake_vllm.pool.store import PoolStore, describe
+from mooncake_vllm.pool.store import RETRYABLE, PoolStore, describe
 from mooncake_vllm.protocol import MemSegment
 from mooncake_vllm.step_metadata import MooncakeWorkerMeta
 
@@ -42,6 +42,8 @@ _LOAD_THREADS = 4
 # A load not done this long after its deadline is reported failed without waiting for its thread.
 _REPORT_AFTER_S = 0.25
 _WARN_EVERY_S = 10.0
+# First pause before a get is asked again; it doubles each time.
+_RETRY_PAUSE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class PoolWorkerHalf:
         self._saves = list(meta.saves)
         for load in meta.loads:
             deadline = time.monotonic() + self._settings.load_timeout_s
-            future = self._pool.submit(self._load, load)
+            future = self._pool.submit(self._load, load, deadline)
             self._jobs[load.req_id] = _LoadJob(future, deadline)
 
     def wait_for_save(self) -> None:
@@ -190,15 +192,33 @@ class PoolWorkerHalf:
 
     # ---- load ----------------------------------------------------------------------------
 
-    def _load(self, load: BlockTransfer) -> LoadOutcome:
+    def _load(self, load: BlockTransfer, deadline: float) -> LoadOutcome:
+        """Get the load's blocks; keys that failed in a way worth repeating (a get is
+        idempotent) are asked again while ``deadline`` is ahead."""
         start = time.monotonic()
         try:
             keys = block_keys(load.digests, self._key_rank)
-            results = self._store.get(keys, self._ranges(load.block_ids))
-            for key, n in zip(keys, results, strict=True):
-                if n != self._block_bytes:
+            todo = list(range(len(keys)))
+            pause_s = _RETRY_PAUSE_S
+            while True:
+                results = self._store.get(
+                    [keys[i] for i in todo], self._ranges([load.block_ids[i] for i in todo])
+                )
+                failed = [(i, n) for i, n in zip(todo, results, strict=True)
+                          if n != self._block_bytes]  # fmt: skip
+                if not failed:
+                    break
+                i, n = failed[0]
+                if any(n not in RETRYABLE for _, n in failed) or time.monotonic() >= deadline:
                     what = describe(n) if n < 0 else f"{n} B, expected {self._block_bytes}"
-                    raise RuntimeError(f"get of {key} returned {what}")
+                    raise RuntimeError(f"get of {keys[i]} returned {what}")
+                logger.info("request %s: get of %d blocks returned %s; asking again",
+                            load.req_id, len(failed), describe(n))  # fmt: skip
+                with self._stats_lock:
+                    self._stats.count("get_retries")
+                todo = [i for i, _ in failed]
+                time.sleep(min(pause_s, max(0.0, deadline - time.monotonic())))
+                pause_s *= 2
             return LoadOutcome(
                 load.req_id, True, blocks=len(keys), nbytes=len(keys) * self._block_bytes,
                 duration_s=time.monotonic() - start,
