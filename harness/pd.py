@@ -49,6 +49,7 @@ class ServerSpec:
     host: str = "127.0.0.1"
     args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    model: str | None = None  # another model than ``start_many``'s
 
 
 def start_many(
@@ -62,7 +63,7 @@ def start_many(
         futures = [
             pool.submit(
                 start_vllm,
-                model,
+                s.model or model,
                 name=s.name,
                 host=s.host,
                 args=s.args,

@@ -18,6 +18,7 @@ import pytest
 
 from harness.pd import ServerSpec, client_session, complete, start_many
 from harness.servers import start_mooncake_master
+from harness.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.servers
 
@@ -26,6 +27,11 @@ MAX_TOKENS = 8
 LENGTHS = [1, 5, 127, 128, 129, 200, 255, 256, 257, 300, 383, 450, 511, 512, 513, 640, 700,
            769, 900, 1000, 1023, 1025, 1200, 1400]  # fmt: skip
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
+# The small pool: three 16 MiB segments, 48 blocks of the suite's Llama (1 MiB a block).
+SMALL_SEGMENT_MIB, SMALL_POOL_BLOCKS = 16, 48
+# Not the suite's Llama (3 layers, 3 KV heads of 32): another layout in the same pool.
+OTHER_MODEL = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=32,
+                            intermediate=384, seed=4321)  # fmt: skip
 
 
 def pool_args(role: str, extra: dict, **top) -> list[str]:
@@ -176,6 +182,72 @@ async def test_a_second_decode_reuses_prompts_prefilled_earlier(pool, http):
     assert decode2.metric(EXTERNAL, source="external_kv_transfer") - ext0 >= len(turn1) // 128 * 128
     assert pool_counter(decode2, "load_failures") == 0
     assert pool_counter(decode2, "put_blocks") == 0  # kv_consumer: gets only
+
+
+@pytest.fixture(scope="module")
+def small_pool(pool, tiny_model):
+    """A second, tiny pool (own master): a prefill and a decode of the suite's Llama, with
+    vLLM's default kv_load_failure_policy, and an instance of another model beside them."""
+    master = start_mooncake_master()
+    extra = {
+        "master_server_address": master.address,
+        "metadata_server": master.metadata_url,
+        "global_segment_size": f"{SMALL_SEGMENT_MIB}MB",
+    }
+    other = str(build_tiny_model(spec=OTHER_MODEL))
+    specs = [
+        ServerSpec("small-prefill", args=pool_args("kv_both", extra)),
+        ServerSpec("small-decode", args=pool_args("kv_both", extra)),
+        ServerSpec("small-other", args=pool_args("kv_both", extra), model=other),
+    ]
+    try:
+        servers = start_many(tiny_model, specs)
+    except Exception:
+        master.stop()
+        raise
+    other_srv = servers[2]
+    yield {"prefill": servers[0], "decode": servers[1], "other": other_srv, "other_model": other}
+    for srv in (*servers, master):
+        srv.stop()
+
+
+async def test_a_full_pool_fails_or_evicts_puts_and_every_request_still_answers_right(
+    pool, small_pool, http
+):
+    """Twice the pool's size in prompts behind the minimal proxy: token-exact answers, no
+    failed request, and the pool keeps serving the newest prompts."""
+    model, prefill, decode = pool["model"], small_pool["prefill"], small_pool["decode"]
+    batch = prompts(seed=8, lengths=[1300, 1100, 1400, 1200] * 3)
+    assert sum(len(p) for p in batch) // 128 > 2 * SMALL_POOL_BLOCKS
+    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
+    for i, prompt in enumerate(batch):
+        ref = await complete(http, pool["plain"], body(model, prompt))
+        got = await minimal_proxy(http, prefill, decode, body(model, prompt, stream=i % 2 == 0))
+        assert got.token_ids == ref.token_ids, i
+    await eventually(lambda: pool_counter(prefill, "put_blocks") > 0)
+    put, refused = pool_counter(prefill, "put_blocks"), pool_counter(prefill, "put_failures")
+    ext = decode.metric(EXTERNAL, source="external_kv_transfer") - ext0
+    print(f"small pool: prefill put {put:.0f} blocks, {refused:.0f} refused; decode got "
+          f"{ext:.0f} of {sum(map(len, batch))} prompt tokens from the pool")  # fmt: skip
+    assert put + refused >= 2 * SMALL_POOL_BLOCKS
+    assert ext > 0
+    assert pool_counter(decode, "load_failures") == 0
+
+
+async def test_an_instance_of_another_model_never_reads_the_pools_kv(pool, small_pool, http):
+    """The same token ids prefilled by the Llama are asked of another model on the same pool:
+    its lookups find nothing (keys are salted with the model and KV layout), nothing is read."""
+    model, prefill, other = pool["model"], small_pool["prefill"], small_pool["other"]
+    prompt = prompts(seed=9, lengths=[900])[0]
+    await complete(http, prefill, body(model, prompt, max_tokens=1))
+    lookups0 = pool_counter(other, "lookups")
+    ext0 = other.metric(EXTERNAL, source="external_kv_transfer")
+    first = await complete(http, other, body(small_pool["other_model"], prompt))
+    assert len(first.token_ids) == MAX_TOKENS
+    await eventually(lambda: pool_counter(other, "lookups") > lookups0)
+    assert pool_counter(other, "hit_blocks") == 0
+    assert pool_counter(other, "get_blocks") == 0
+    assert other.metric(EXTERNAL, source="external_kv_transfer") == ext0
 
 
 async def test_master_killed_requests_recompute_and_the_pool_returns_with_it(pool, http):

@@ -11,7 +11,9 @@ What the store does, measured on this wheel (see the README's pool section):
   read per key, or a negative code (-704: no such object).
 - ``batch_is_exist`` returns 1/0/negative per key; while the master is down every call waits
   about 4.5 s in the client's RPC before it answers -900, so after a -900 this class answers -900
-  itself, without asking, for a while (``MasterAway``): a step must not wait on a dead master.
+  to existence checks and puts itself, without asking, for a while (``MasterAway``): a step must
+  not wait on a dead master. Gets always ask: one is made only after a lookup found the blocks,
+  so the master was there a moment ago, and it runs off the step thread within its deadline.
 - After the master restarts, the client reconnects and remounts its segment by itself (the
   pool is empty then).
 """
@@ -40,8 +42,8 @@ CODES = {
 # Get results worth asking again: the object may still be there. -707: the master's lease on
 # the object (mooncake_master --default_kv_lease_ttl, 5 s) ran out while a starved read was
 # going on; the bytes are right but the object could have been evicted under the reader, so
-# the store refuses them.
-RETRYABLE = frozenset({-707, -800, -901})
+# the store refuses them. -900/-901: the master restarted or was slow since the lookup.
+RETRYABLE = frozenset({-707, -800, -900, -901})
 
 
 class StoreError(RuntimeError):
@@ -108,11 +110,12 @@ class PoolStore:
         self._registered: list[int] = []
         self._master = MasterAway()
 
-    def _ask(self, call, keys: Sequence[str], *args) -> list[int]:
-        """``call(keys, *args)`` per key, or -900 for every key while the master is away."""
+    def _ask(self, call, keys: Sequence[str], *args, always: bool = False) -> list[int]:
+        """``call(keys, *args)`` per key, or -900 for every key while the master is away
+        (unless ``always``)."""
         if not keys:
             return []
-        if self._master.away():
+        if self._master.away() and not always:
             return [MASTER_UNREACHABLE] * len(keys)
         codes = list(call(list(keys), *args))
         self._master.record(codes)
@@ -139,7 +142,7 @@ class PoolStore:
         """Bytes read per key, or a negative code."""
         return self._ask(
             self._store.batch_get_into_multi_buffers,
-            keys, [r[0] for r in ranges], [r[1] for r in ranges],
+            keys, [r[0] for r in ranges], [r[1] for r in ranges], always=True,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -158,7 +158,7 @@ class PoolWorkerHalf:
             # The master did not answer (-900 comes at once): a put would spend seconds
             # reconnecting inside this step, delaying every request in it. Count and move on.
             self._count_put(0, skipped, len(todo), start)
-            self._warn_put(f"pool unreachable ({describe(min(exists))}): {len(todo)} blocks "
+            self._warn_put(f"unreachable ({describe(min(exists))}): {len(todo)} blocks "
                            "not put")  # fmt: skip
             return
         try:
