@@ -178,42 +178,35 @@ class VllmServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def _samples(self):
+        """Every sample of vLLM's ``/metrics`` (prometheus_client's parser)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(http_text(f"{self.url}/metrics")):
+            yield from family.samples
+
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus samples summed over labels, by sample name."""
         out: dict[str, float] = {}
-        for line in http_text(f"{self.url}/metrics").splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0]
-            with contextlib.suppress(ValueError):
-                out[name] = out.get(name, 0.0) + float(value)
+        for sample in self._samples():
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
         return out
 
     def metric(self, name: str, **labels: str) -> float:
         """One Prometheus sample summed over the series whose labels include ``labels``."""
-        total = 0.0
-        for line in http_text(f"{self.url}/metrics").splitlines():
-            if not line.startswith(name) or line.startswith("#"):
-                continue
-            name_labels, _, value = line.rpartition(" ")
-            sample, _, label_text = name_labels.partition("{")
-            if sample != name:
-                continue
-            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-                total += float(value)
-        return total
+        return sum(
+            s.value
+            for s in self._samples()
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     def histogram(self, name: str) -> dict[float, float]:
         """A Prometheus histogram's cumulative buckets, ``{le: count}``, summed over labels."""
-        from prometheus_client.parser import text_string_to_metric_families
-
         buckets: dict[float, float] = {}
-        for family in text_string_to_metric_families(http_text(f"{self.url}/metrics")):
-            for sample in family.samples:
-                if sample.name == f"{name}_bucket":
-                    le = float(sample.labels["le"])
-                    buckets[le] = buckets.get(le, 0.0) + sample.value
+        for sample in self._samples():
+            if sample.name == f"{name}_bucket":
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
         return buckets
 
     def stop(self) -> None:
