@@ -1,14 +1,16 @@
-"""What disaggregation costs a client: plain vLLM vs our 1P1D vs vLLM's built-in connector 1P1D.
+"""What disaggregation costs a client: plain vLLM vs our 1P1D (P2P, pool) vs vLLM's built-in 1P1D.
 
-    python -m benchmarks.serving [--full] [--out-dir artifacts/bench] [--no-builtin] [--mla]
+    python -m benchmarks.serving [--full] [--out-dir DIR] [--no-builtin] [--no-pool] [--mla]
 
-Three setups of the tiny local model (``--mla``: the tiny DeepSeek-V2-style MLA model, served
+Four setups of the tiny local model (``--mla``: the tiny DeepSeek-V2-style MLA model, served
 with ``--attention-backend CPU_MLA``; results then go to ``serving_mla.json``/``.png``) on this
 machine, started together and measured interleaved (a b c a b c ...) so drift hits all alike:
 
 - ``plain``: one vLLM server;
 - ``ours``: prefill (127.0.0.2) + decode (127.0.0.3) with this package's MooncakeConnector
   (TCP, P2P handshake), behind our proxy (``mooncake_vllm.proxy.server``);
+- ``pool``: prefill + decode (both ``kv_both``, 127.0.0.6 and 127.0.0.7) with this package's
+  ``MooncakeStoreConnector`` on one ``mooncake_master``, behind our proxy in ``--mode pool``;
 - ``builtin``: prefill (127.0.0.4) + decode (127.0.0.5) with vLLM's built-in MooncakeConnector
   (``VllmMooncakeConnector``), behind ``benchmarks.builtin_proxy`` (its docs' proxy protocol),
   its bootstrap server on 127.0.0.4 (``benchmarks.builtin_bootstrap``). **Runtime workaround**:
@@ -19,7 +21,8 @@ machine, started together and measured interleaved (a b c a b c ...) so drift hi
 Workload: seeded random token-id prompts of fixed lengths, 32 output tokens (``ignore_eos``),
 greedy, streamed; a fixed number of requests per cell at concurrency 1 and 4. Client-side TTFT,
 TPOT, ITL; KV transfer time per request from the connectors' own counters (ours: decode's
-``mooncake_vllm:pull_duration_seconds``; built-in: its "KV Transfer metrics" log lines).
+``mooncake_vllm:pull_duration_seconds``; pool: decode's ``mooncake_vllm:pool_get_duration_seconds``;
+built-in: its "KV Transfer metrics" log lines).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from harness import servers
 from harness.pd import ServerSpec, kv_args, mooncake_json, sse_events, start_many
 from harness.tiny_model import TinyMLASpec, TinyModelSpec, build_tiny_model
 
-CONFIGS = ["plain", "ours", "builtin"]
+CONFIGS = ["plain", "ours", "pool", "builtin"]
 OUTPUT_TOKENS = 32
 VOCAB_LOW, VOCAB_HIGH = 10, 2000  # the tiny model's vocabulary is 2048 ids
 WORKAROUND_DIR = Path(__file__).parent / "builtin_cpu_workaround"
@@ -53,6 +56,7 @@ WORKAROUND_NOTE = (
     "(vLLM 0.32's built-in MooncakeConnector crashes there otherwise); vLLM's files unmodified"
 )
 OURS_P, OURS_D, BUILTIN_P, BUILTIN_D = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"
+POOL_P, POOL_D = "127.0.0.6", "127.0.0.7"
 MAX_MODEL_LEN = 2304
 STATS_ENV = {"VLLM_LOG_STATS_INTERVAL": "1"}
 # The MLA model's server flags on CPU (with the harness's --dtype float32): vLLM's reference MLA
@@ -64,9 +68,14 @@ class Stack:
     """Every server of the three setups; ``stop()`` ends them all."""
 
     def __init__(
-        self, with_builtin: bool, workdir: Path, log_dir: Path, spec: TinyModelSpec | TinyMLASpec
+        self,
+        with_builtin: bool,
+        workdir: Path,
+        log_dir: Path,
+        spec: TinyModelSpec | TinyMLASpec,
+        with_pool: bool = False,
     ):
-        self.with_builtin = with_builtin
+        self.with_builtin, self.with_pool = with_builtin, with_pool
         self.workdir, self.log_dir = workdir, log_dir
         self.spec = spec
         self.model_args = MLA_ARGS if isinstance(spec, TinyMLASpec) else []
@@ -103,6 +112,13 @@ class Stack:
                 ours_env,
             ),
         ]
+        if self.with_pool:
+            master = servers.start_mooncake_master(log_dir=self.log_dir)
+            self.started.append(master)
+            specs += [
+                self._pool_spec("pool-prefill", POOL_P, master),
+                self._pool_spec("pool-decode", POOL_D, master),
+            ]
         if self.with_builtin:
             bootstrap_port = servers.free_port(BUILTIN_P)
             self.bootstrap_url = f"http://{BUILTIN_P}:{bootstrap_port}"
@@ -131,12 +147,36 @@ class Stack:
             ["mooncake_vllm.proxy.server", "--prefill", self.vllm["ours-prefill"].url,
              "--decode", self.vllm["ours-decode"].url, "--log-level", "warning"],
         )  # fmt: skip
+        if self.with_pool:
+            self.urls["pool"] = self._proxy(
+                "pool-proxy",
+                ["mooncake_vllm.proxy.server", "--mode", "pool", "--prefill",
+                 self.vllm["pool-prefill"].url, "--decode", self.vllm["pool-decode"].url,
+                 "--log-level", "warning"],
+            )  # fmt: skip
         if self.with_builtin:
             self.urls["builtin"] = self._proxy(
                 "builtin-proxy",
                 ["benchmarks.builtin_proxy", "--prefill", self.vllm["builtin-prefill"].url,
                  "--decode", self.vllm["builtin-decode"].url, "--bootstrap", self.bootstrap_url],
             )  # fmt: skip
+
+    def _pool_spec(self, name: str, host: str, master) -> ServerSpec:
+        cfg = {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_both",
+            # As for ours: a failed get is computed again (and counted), not a failed request.
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "master_server_address": master.address,
+                "metadata_server": master.metadata_url,
+                "local_hostname": host,
+                "global_segment_size": "1GB",
+            },
+        }
+        args = ["--max-model-len", str(MAX_MODEL_LEN), *self.model_args]
+        args += ["--kv-transfer-config", json.dumps(cfg)]
+        return ServerSpec(name, host, args, STATS_ENV)
 
     def _builtin_spec(self, name: str, host: str, role: str, bootstrap_port: int) -> ServerSpec:
         cfg = {
@@ -272,6 +312,17 @@ def ours_counters(stack: Stack) -> dict:
     }
 
 
+def pool_counters(stack: Stack) -> dict:
+    d = stack.vllm["pool-decode"]
+    return {
+        "transfers": d.metric("mooncake_vllm:pool_loads_total"),
+        "seconds": d.metric("mooncake_vllm:pool_get_duration_seconds_sum"),
+        "bytes": d.metric("mooncake_vllm:pool_get_bytes_total"),
+        "failures": d.metric("mooncake_vllm:pool_load_failures_total"),
+        "retries": d.metric("mooncake_vllm:pool_get_retries_total"),
+    }
+
+
 def builtin_counters(stack: Stack) -> dict:
     """Totals over the built-in producer's "KV Transfer metrics" log lines so far."""
     text = stack.vllm["builtin-prefill"].process.log_path.read_text(errors="replace")
@@ -286,6 +337,8 @@ def builtin_counters(stack: Stack) -> dict:
 
 def counters(stack: Stack) -> dict[str, dict]:
     out = {"ours": ours_counters(stack)}
+    if stack.with_pool:
+        out["pool"] = pool_counters(stack)
     if stack.with_builtin:
         out["builtin"] = builtin_counters(stack)
     return out
@@ -399,9 +452,10 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
                 "retries": float("nan"),
                 "acq_p99_ms": float("nan"),
             }
-            if kv and "failures" in kv:  # ours: failed pulls (recomputed), retried entries
+            if kv and "failures" in kv:  # ours and pool: failed loads (recomputed), retries
                 row["failed"] = kv["failures"]
                 row["retries"] = kv["retries"]
+            if kv and "acquire_p99_s" in kv:
                 row["acq_p99_ms"] = 1000 * kv["acquire_p99_s"]
             if kv and kv["transfers"] > 0:
                 row["kv_ms/req"] = kv["seconds"] * 1000 / kv["transfers"]
@@ -429,7 +483,7 @@ def plot(rows: list[dict], model_label: str):
 
         concs = sorted({r["conc"] for r in rows})
         fig, axes = plt.subplots(1, len(concs) + 1, figsize=(5.2 * (len(concs) + 1), 4.2))
-        colors = {"plain": "#7f7f7f", "ours": "#1f77b4", "builtin": "#ff7f0e"}
+        colors = {"plain": "#7f7f7f", "ours": "#1f77b4", "pool": "#2ca02c", "builtin": "#ff7f0e"}
 
         def series(ax, sel: list[dict], y: str, config: str) -> None:
             if sel:
@@ -449,7 +503,7 @@ def plot(rows: list[dict], model_label: str):
             panel(ax, CONFIGS, conc, "ttft_p50", "TTFT p50 (ms)", f"TTFT, concurrency {conc}")
         kv_title = f"KV transfer time, concurrency {concs[0]}"
         kv_label = "KV transfer per request (ms, own counters)"
-        panel(axes[-1], ("ours", "builtin"), concs[0], "kv_ms/req", kv_label, kv_title)
+        panel(axes[-1], ("ours", "pool", "builtin"), concs[0], "kv_ms/req", kv_label, kv_title)
         common.save_figure(
             fig, path, f"{model_label}, CPU, 1P1D over TCP loopback vs one plain vLLM"
         )
@@ -469,6 +523,11 @@ def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: li
     ]
     if stack.with_builtin:
         notes.append(WORKAROUND_NOTE)
+    if stack.with_pool:
+        notes.append(
+            "pool: kv_ms/req is decode's get time per load from the pool; the prefill's puts "
+            "(before its answer leaves) are inside pool's TTFT"
+        )
     settings = {
         **settings,
         "model": stack.spec.name,
@@ -482,7 +541,7 @@ def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: li
     )  # fmt: skip
     for note in notes:
         print(f"note: {note}")
-    title = f"serving, {model_label}: plain vs ours vs built-in (TTFT/TPOT/ITL in ms)"
+    title = f"serving, {model_label}: plain vs ours (P2P, pool) vs built-in (TTFT/TPOT/ITL in ms)"
     common.report(title, rows, paths)
 
 
@@ -494,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="interleaving rounds per cell")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-builtin", action="store_true", help="skip vLLM's built-in connector")
+    ap.add_argument("--no-pool", action="store_true", help="skip our pool mode")
     ap.add_argument("--mla", action="store_true", help="the tiny MLA model instead of the Llama")
     args = ap.parse_args(argv)
     lengths = args.lengths or ([256, 1024, 2048] if args.full else [256, 1024])
@@ -502,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-bench-serving-"))
     log_dir = workdir / "logs"
     spec = TinyMLASpec() if args.mla else TinyModelSpec()
-    stack = Stack(not args.no_builtin, workdir, log_dir, spec)
+    stack = Stack(not args.no_builtin, workdir, log_dir, spec, with_pool=not args.no_pool)
     print(
         f"starting servers (logs in {log_dir}); vLLM takes minutes to start on 2 cores", flush=True
     )
