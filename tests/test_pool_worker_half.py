@@ -13,6 +13,7 @@ import torch
 from harness.servers import start_mooncake_master
 from mooncake_vllm.config import load_settings
 from mooncake_vllm.pool.config import PoolSettings
+from mooncake_vllm.pool.keys import block_keys
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
 from mooncake_vllm.pool.worker import PoolWorkerHalf
 
@@ -84,6 +85,11 @@ def test_blocks_go_through_the_pool_into_other_blocks_of_another_cache(pair):
             assert torch.equal(r_caches[name][kv, 1:4], w_caches[name][kv, 5:8])
         assert not r_caches[name][:, 0].any() and not r_caches[name][:, 4].any()  # untouched
     assert reader.get_stats().data["get_blocks"] == 3
+    # The writer put them into its own segment (a local copy); the reader pulled them from there.
+    own = writer._store._store.get_hostname()
+    for key in block_keys(["a0", "a1", "a2"], 0):
+        (replica,) = writer._store._store.get_replica_desc(key)
+        assert replica.get_memory_descriptor().buffer_descriptor.transport_endpoint == own
 
 
 def test_what_the_pool_holds_is_not_put_again(pair):

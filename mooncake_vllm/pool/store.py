@@ -14,6 +14,10 @@ What the store does, measured on this wheel (see the README's pool section):
   to existence checks and puts itself, without asking, for a while (``MasterAway``): a step must
   not wait on a dead master. Gets always ask: one is made only after a lookup found the blocks,
   so the master was there a moment ago, and it runs off the step thread within its deadline.
+- A put goes where the master allocates (any segment) unless its ``ReplicateConfig`` names a
+  ``preferred_segment``: naming this client's own segment makes the put a local copy (measured:
+  10 MiB in ~7 ms against ~16 ms to a random segment over TCP loopback); readers then pull from
+  it. A full own segment falls back to the others.
 - After the master restarts, the client reconnects and remounts its segment by itself (the
   pool is empty then).
 """
@@ -89,7 +93,7 @@ class PoolStore:
         # The store's transfer engine reads these once, at setup.
         for k, v in settings.engine_env().items():
             os.environ.setdefault(k, v)
-        from mooncake.store import MooncakeDistributedStore
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
@@ -109,6 +113,10 @@ class PoolStore:
             )
         self._registered: list[int] = []
         self._master = MasterAway()
+        # Puts land in this client's own segment where there is room: a local copy.
+        self._put_config = ReplicateConfig()
+        if segment_bytes:
+            self._put_config.preferred_segment = self._store.get_hostname()
 
     def _ask(self, call, keys: Sequence[str], *args, always: bool = False) -> list[int]:
         """``call(keys, *args)`` per key, or -900 for every key while the master is away
@@ -135,7 +143,7 @@ class PoolStore:
         """``ranges[i]`` = (addresses, sizes) of key ``i``'s value; 0 or a negative code each."""
         return self._ask(
             self._store.batch_put_from_multi_buffers,
-            keys, [r[0] for r in ranges], [r[1] for r in ranges],
+            keys, [r[0] for r in ranges], [r[1] for r in ranges], self._put_config,
         )  # fmt: skip
 
     def get(self, keys: Sequence[str], ranges: Sequence[tuple[list[int], list[int]]]) -> list[int]:
