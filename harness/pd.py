@@ -6,7 +6,9 @@ prefill on 127.0.0.2, decode on 127.0.0.3, TCP transport, P2P-handshake metadata
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,13 @@ def kv_args(role: str, extra: Mapping[str, Any] | None = None, **top: Any) -> li
     cfg: dict[str, Any] = {"kv_connector": "MooncakeConnector", "kv_role": role, **top}
     if extra:
         cfg["kv_connector_extra_config"] = dict(extra)
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+def pool_args(role: str, extra: Mapping[str, Any], **top: Any) -> list[str]:
+    """vLLM's ``--kv-transfer-config`` for our ``MooncakeStoreConnector`` (pool mode)."""
+    cfg: dict[str, Any] = {"kv_connector": "MooncakeStoreConnector", "kv_role": role, **top}
+    cfg["kv_connector_extra_config"] = dict(extra)
     return ["--kv-transfer-config", json.dumps(cfg)]
 
 
@@ -163,3 +172,21 @@ async def two_legs(
         raise RuntimeError("prefill returned no kv_transfer_params")
     tail = await complete(session, decode, {**body, "kv_transfer_params": head.kv_transfer_params})
     return head, tail
+
+
+async def minimal_proxy(
+    session: aiohttp.ClientSession, prefill: VllmServer, decode: VllmServer, body: dict[str, Any]
+) -> Answer:
+    """What the minimal proxy of Mooncake's vLLM guide does: the request to prefill with
+    ``max_tokens=1``, then the original request to decode; nothing passed between them."""
+    await complete(session, prefill, {**body, "max_tokens": 1, "stream": False})
+    return await complete(session, decode, body)
+
+
+async def eventually(check, timeout_s: float = 15.0, what: str = "condition") -> float:
+    """Poll ``check()`` every 0.25 s until it is true; the seconds it took, or AssertionError."""
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout_s, f"{what}: not reached within {timeout_s:g}s"
+        await asyncio.sleep(0.25)
+    return time.monotonic() - t0

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from harness import servers
-from harness.pd import ServerSpec, client_session, complete, kv_args, start_many
+from harness.pd import ServerSpec, client_session, complete, eventually, kv_args, start_many
 from harness.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.servers
@@ -104,13 +104,6 @@ def nothing_held(srv) -> bool:
     ) == pytest.approx(0.0, abs=1e-9)
 
 
-async def eventually(check, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.25)
-
-
 async def test_concurrent_requests_through_the_proxy_all_arrive_by_transfer(setup, show_logs):
     rng = random.Random(2026)
     # Mixed: half short (1-199 tokens), half long (200-1499).
@@ -142,14 +135,14 @@ async def test_concurrent_requests_through_the_proxy_all_arrive_by_transfer(setu
     assert not mismatches, f"decode differs from plain for prompts of {mismatches} tokens"
     d = setup.decode
     assert d.metric("mooncake_vllm:pull_failures_total") == 0
-    await eventually(lambda: d.metric("mooncake_vllm:pulls_total") == len(lengths))
+    await eventually(lambda: d.metric("mooncake_vllm:pulls_total") == len(lengths), 20)
     ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
     share = ext / sum(lengths)
     retries = d.metric("mooncake_vllm:retries_total")
     print(f"external_kv_transfer share {share:.3f}; retries {retries}")
     assert share >= 0.95
-    await eventually(lambda: nothing_held(setup.prefill))
-    await eventually(lambda: nothing_held(setup.decode))
+    await eventually(lambda: nothing_held(setup.prefill), 20)
+    await eventually(lambda: nothing_held(setup.decode), 20)
 
 
 async def test_idle_pair_with_a_held_lease_and_a_waiting_pull_costs_almost_no_cpu(setup, show_logs):
@@ -236,14 +229,15 @@ async def test_a_producer_frozen_after_granting_ends_the_pull_by_the_deadline(se
               f"{usage:.3f} (blocks pinned under entries still in flight)")  # fmt: skip
         assert elapsed < LOAD_TIMEOUT_S + 1.0, f"the request took {elapsed:.2f}s"
         await eventually(
-            lambda f0=failures0: setup.decode.metric("mooncake_vllm:pull_failures_total") == f0 + 1
+            lambda f0=failures0: setup.decode.metric("mooncake_vllm:pull_failures_total") == f0 + 1,
+            20,
         )
         break
     else:
         pytest.fail("the read finished before the producer froze, three times")
     # The thawed producer serves again, and its lease ends; the decode holds nothing.
     await eventually(lambda: nothing_held(setup.prefill), timeout_s=60)
-    await eventually(lambda: nothing_held(setup.decode))
+    await eventually(lambda: nothing_held(setup.decode), 20)
     async with client_session() as http:
         ref = await complete(http, setup.plain, {**body, "prompt": prompt[:300]})
         got = await complete(http, setup.proxy, {**body, "prompt": prompt[:300]})

@@ -10,15 +10,21 @@ The prompt has to reach the decode through the pool, and the decode's own vLLM c
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
 import pytest
 
-from harness.pd import ServerSpec, client_session, complete, start_many
+from harness.pd import (
+    ServerSpec,
+    client_session,
+    complete,
+    eventually,
+    minimal_proxy,
+    pool_args,
+    start_many,
+)
 from harness.servers import start_mooncake_master
-from harness.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = pytest.mark.servers
 
@@ -27,21 +33,10 @@ MAX_TOKENS = 8
 LENGTHS = [1, 5, 127, 128, 129, 200, 255, 256, 257, 300, 383, 450, 511, 512, 513, 640, 700,
            769, 900, 1000, 1023, 1025, 1200, 1400]  # fmt: skip
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
-# The small pool: three 16 MiB segments, 48 blocks of the suite's Llama (1 MiB a block).
-SMALL_SEGMENT_MIB, SMALL_POOL_BLOCKS = 16, 48
-# Not the suite's Llama (3 layers, 3 KV heads of 32): another layout in the same pool.
-OTHER_MODEL = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=32,
-                            intermediate=384, seed=4321)  # fmt: skip
-
-
-def pool_args(role: str, extra: dict, **top) -> list[str]:
-    cfg = {"kv_connector": "MooncakeStoreConnector", "kv_role": role, **top}
-    cfg["kv_connector_extra_config"] = extra
-    return ["--kv-transfer-config", json.dumps(cfg)]
 
 
 @pytest.fixture(scope="module")
-def pool(tiny_model):
+def pool(cluster):
     master = start_mooncake_master()
     extra = {
         "master_server_address": master.address,
@@ -50,7 +45,6 @@ def pool(tiny_model):
         "load_timeout_s": 10,
     }
     specs = [
-        ServerSpec("plain", args=["--distributed-executor-backend", "uni"]),
         ServerSpec("pool-prefill", args=pool_args("kv_both", extra)),
         ServerSpec("pool-decode1", args=pool_args("kv_both", extra)),
         # The explicit form, with vLLM's plugins off, as a consumer only.
@@ -66,12 +60,13 @@ def pool(tiny_model):
         ),
     ]
     try:
-        servers = start_many(tiny_model, specs)
+        servers = start_many(cluster.model, specs)
     except Exception:
         master.stop()
         raise
-    state = dict(zip(("plain", "prefill", "decode1", "decode2"), servers, strict=True))
-    state.update(master=master, model=tiny_model)
+    state = dict(zip(("prefill", "decode1", "decode2"), servers, strict=True))
+    # The suite's plain server (same model) is the reference.
+    state.update(master=master, model=cluster.model, plain=cluster.plain)
     yield state
     for srv in [*reversed(servers), state["master"]]:  # a test may restart the master
         srv.stop()
@@ -86,20 +81,6 @@ def body(model: str, prompt, **kw) -> dict:
     # ignore_eos: every answer is MAX_TOKENS long, so every one compares that many tokens.
     return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, **kw}  # fmt: skip
-
-
-async def minimal_proxy(http, prefill, decode, request: dict):
-    """What the guide's minimal proxy does: prefill with max_tokens=1, then the original request
-    to decode; nothing passed between them."""
-    await complete(http, prefill, {**request, "max_tokens": 1, "stream": False})
-    return await complete(http, decode, request)
-
-
-async def eventually(check, timeout_s: float = 15.0):
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "counter did not settle"
-        await asyncio.sleep(0.25)
 
 
 def pool_counter(srv, name: str) -> float:
@@ -182,72 +163,6 @@ async def test_a_second_decode_reuses_prompts_prefilled_earlier(pool, http):
     assert decode2.metric(EXTERNAL, source="external_kv_transfer") - ext0 >= len(turn1) // 128 * 128
     assert pool_counter(decode2, "load_failures") == 0
     assert pool_counter(decode2, "put_blocks") == 0  # kv_consumer: gets only
-
-
-@pytest.fixture(scope="module")
-def small_pool(pool, tiny_model):
-    """A second, tiny pool (own master): a prefill and a decode of the suite's Llama, with
-    vLLM's default kv_load_failure_policy, and an instance of another model beside them."""
-    master = start_mooncake_master()
-    extra = {
-        "master_server_address": master.address,
-        "metadata_server": master.metadata_url,
-        "global_segment_size": f"{SMALL_SEGMENT_MIB}MB",
-    }
-    other = str(build_tiny_model(spec=OTHER_MODEL))
-    specs = [
-        ServerSpec("small-prefill", args=pool_args("kv_both", extra)),
-        ServerSpec("small-decode", args=pool_args("kv_both", extra)),
-        ServerSpec("small-other", args=pool_args("kv_both", extra), model=other),
-    ]
-    try:
-        servers = start_many(tiny_model, specs)
-    except Exception:
-        master.stop()
-        raise
-    other_srv = servers[2]
-    yield {"prefill": servers[0], "decode": servers[1], "other": other_srv, "other_model": other}
-    for srv in (*servers, master):
-        srv.stop()
-
-
-async def test_a_full_pool_fails_or_evicts_puts_and_every_request_still_answers_right(
-    pool, small_pool, http
-):
-    """Twice the pool's size in prompts behind the minimal proxy: token-exact answers, no
-    failed request, and the pool keeps serving the newest prompts."""
-    model, prefill, decode = pool["model"], small_pool["prefill"], small_pool["decode"]
-    batch = prompts(seed=8, lengths=[1300, 1100, 1400, 1200] * 3)
-    assert sum(len(p) for p in batch) // 128 > 2 * SMALL_POOL_BLOCKS
-    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
-    for i, prompt in enumerate(batch):
-        ref = await complete(http, pool["plain"], body(model, prompt))
-        got = await minimal_proxy(http, prefill, decode, body(model, prompt, stream=i % 2 == 0))
-        assert got.token_ids == ref.token_ids, i
-    await eventually(lambda: pool_counter(prefill, "put_blocks") > 0)
-    put, refused = pool_counter(prefill, "put_blocks"), pool_counter(prefill, "put_failures")
-    ext = decode.metric(EXTERNAL, source="external_kv_transfer") - ext0
-    print(f"small pool: prefill put {put:.0f} blocks, {refused:.0f} refused; decode got "
-          f"{ext:.0f} of {sum(map(len, batch))} prompt tokens from the pool")  # fmt: skip
-    assert put + refused >= 2 * SMALL_POOL_BLOCKS
-    assert ext > 0
-    assert pool_counter(decode, "load_failures") == 0
-
-
-async def test_an_instance_of_another_model_never_reads_the_pools_kv(pool, small_pool, http):
-    """The same token ids prefilled by the Llama are asked of another model on the same pool:
-    its lookups find nothing (keys are salted with the model and KV layout), nothing is read."""
-    model, prefill, other = pool["model"], small_pool["prefill"], small_pool["other"]
-    prompt = prompts(seed=9, lengths=[900])[0]
-    await complete(http, prefill, body(model, prompt, max_tokens=1))
-    lookups0 = pool_counter(other, "lookups")
-    ext0 = other.metric(EXTERNAL, source="external_kv_transfer")
-    first = await complete(http, other, body(small_pool["other_model"], prompt))
-    assert len(first.token_ids) == MAX_TOKENS
-    await eventually(lambda: pool_counter(other, "lookups") > lookups0)
-    assert pool_counter(other, "hit_blocks") == 0
-    assert pool_counter(other, "get_blocks") == 0
-    assert other.metric(EXTERNAL, source="external_kv_transfer") == ext0
 
 
 async def test_master_killed_requests_recompute_and_the_pool_returns_with_it(pool, http):

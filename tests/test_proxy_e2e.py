@@ -6,17 +6,15 @@ outputs are compared token for token with a plain vLLM.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from harness import servers
-from harness.pd import client_session, complete
+from harness.pd import client_session, complete, eventually
 
 pytestmark = pytest.mark.servers
 
@@ -49,13 +47,6 @@ async def http():
 def prompt_ids(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 2048) for _ in range(n)]
-
-
-async def eventually(check, timeout_s: float = 15.0):
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.25)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pytest
 
 from harness import servers
-from harness.pd import client_session, complete, kv_args
+from harness.pd import client_session, complete, eventually, kv_args
 from harness.xpyd import ProxyServer, start_proxy
 
 pytestmark = pytest.mark.servers
@@ -209,14 +209,6 @@ def _delta(after, before, name, key):
     return after[name][key] - before[name][key]
 
 
-async def _eventually(check, timeout_s: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not check():
-        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s:.0f}s"
-        await asyncio.sleep(0.25)
-    return time.monotonic() - t0
-
-
 def _nothing_held(srv: servers.VllmServer) -> bool:
     return srv.metric("mooncake_vllm:held_leases") == 0 and srv.metric(
         "vllm:kv_cache_usage_perc"
@@ -240,7 +232,7 @@ async def test_2p2d_token_exact_every_engine_used_every_pull_from_its_prefill(xp
     errors = [r for r, _ in results if isinstance(r, Exception)]
     assert not errors, errors
     assert [r.token_ids for r, _ in results] == refs
-    await _eventually(
+    await eventually(
         lambda: sum(_delta(_counters(c), before, d, "pulls") for d in ("d1", "d2")) >= 40,
         20, "a pull per request",
     )  # fmt: skip
@@ -260,7 +252,7 @@ async def test_2p2d_token_exact_every_engine_used_every_pull_from_its_prefill(xp
     assert sum(d[x]["pulls"] for x in ("d1", "d2")) == 40
     assert all(d[x]["pull_failures"] == 0 for x in c.servers)
     for p in ("p1", "p2"):
-        await _eventually(
+        await eventually(
             lambda p=p: c.servers[p].metric("mooncake_vllm:released_total")
             - before[p]["released"] == d[p]["requests"],
             10, f"{p}: a released lease per prompt it computed",
@@ -269,7 +261,7 @@ async def test_2p2d_token_exact_every_engine_used_every_pull_from_its_prefill(xp
     total = sum(len(p) for p in prompts)
     assert total - len(prompts) <= external <= total
     for srv in c.servers.values():
-        await _eventually(lambda s=srv: _nothing_held(s), 20, f"{srv.process.name} holds KV")
+        await eventually(lambda s=srv: _nothing_held(s), 20, f"{srv.process.name} holds KV")
 
 
 async def test_2p2d_survives_a_killed_prefill_and_decode_and_they_rejoin(xpyd):
@@ -317,7 +309,7 @@ async def test_2p2d_survives_a_killed_prefill_and_decode_and_they_rejoin(xpyd):
     assert _delta(after, before, "p1", "requests") == 8
     # ... and whose KV usage returns to zero (prompts left for the killed decode expire).
     for name in ("p1", "d1"):
-        waited = await _eventually(
+        waited = await eventually(
             lambda n=name: _nothing_held(c.servers[n]), LEASE_TTL_S + 15, f"{name} holds KV"
         )
         print(f"{name} back to 0 KV in use {waited:.1f}s after the later requests")
