@@ -242,7 +242,7 @@ def write_config(path: Path, master: servers.MasterServer) -> Path:
     return path
 
 
-def stack_specs(connector: str, config: Path) -> list[ServerSpec]:
+def stack_specs(connector: str, config: Path, lookup_ports: bool = True) -> list[ServerSpec]:
     env = {"MOONCAKE_CONFIG_PATH": str(config), "VLLM_LOG_STATS_INTERVAL": "1"}
     if connector == "vllm":
         env["MOONCAKE_REQUESTER_LOCAL_HOSTNAME"] = "127.0.0.1"
@@ -252,7 +252,7 @@ def stack_specs(connector: str, config: Path) -> list[ServerSpec]:
     specs = []
     for name in ("prefill", "decode1", "decode2"):
         kv: dict = {"kv_connector": KV_CONNECTOR[connector], "kv_role": "kv_both"}
-        if connector == "vllm":
+        if connector == "vllm" and lookup_ports:
             kv["kv_connector_extra_config"] = {"lookup_rpc_port": servers.free_port()}
         args = ["--kv-transfer-config", json.dumps(kv)]
         if name == "decode2":
@@ -391,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quiet-s", type=float, default=QUIET_S, help="pause before timed requests (%(default)s)"
     )
+    ap.add_argument(
+        "--no-lookup-ports",
+        action="store_true",
+        help="vLLM's connector without a lookup_rpc_port per instance (as a new user starts it)",
+    )
     args = ap.parse_args(argv)
     n_prompts = args.prompts or (40 if args.full else 8)
     n_suffixes = args.suffixes or (40 if args.full else 8)
@@ -421,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
             master = servers.start_mooncake_master(log_dir=log_dir)
             started.append(master)
             config = write_config(workdir / f"{connector}.json", master)
-            specs = stack_specs(connector, config) + ([plain_spec] if plain is None else [])
+            specs = stack_specs(connector, config, not args.no_lookup_ports) + (
+                [plain_spec] if plain is None else []
+            )
             stack = start_many(model, specs, timeout_s=1200, log_dir=log_dir)
             started += stack
             plain = plain or stack[3]
@@ -448,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         "system_tokens": SYSTEM_TOKENS, "suffixes": n_suffixes,
         "suffix_tokens": [SUFFIX_MIN, SUFFIX_MAX], "output_tokens": OUTPUT_TOKENS,
         "global_segment_size": SEGMENT, "seed": args.seed, "quiet_s": args.quiet_s,
+        "vllm_lookup_rpc_port_per_instance": not args.no_lookup_ports,
         "stack": "mooncake_master + prefill + decode1 + decode2 (kv_both), tiny model; decode2 "
                  "--no-enable-prefix-caching; plain vLLM --no-enable-prefix-caching",
         "prompt_tokens_by_source": sources, "connector_metrics": metrics,
