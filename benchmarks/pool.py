@@ -31,10 +31,11 @@ Every timed request (and each minimal-proxy pair) starts after a 1.2 s pause (``
 vLLM worker busy-waits for about a second after each step, which on 2 cores slows whatever runs
 next. Within a pair the decode leg follows the prefill's answer at once, as in the guide.
 
-vLLM's connector needs, beside the json, a ``lookup_rpc_port`` of its own per instance in
+vLLM's connector gets, beside the json, a ``lookup_rpc_port`` of its own per instance in
 ``kv_connector_extra_config`` (its scheduler asks the worker over an ipc socket named after that
-port and the hostname: instances on one host would otherwise bind the same path) and
-``MOONCAKE_REQUESTER_LOCAL_HOSTNAME`` (it advertises the host's first address otherwise).
+port and the hostname: instances on one host would otherwise bind the same path;
+``--no-lookup-ports`` leaves it out) and ``MOONCAKE_REQUESTER_LOCAL_HOSTNAME`` (it advertises
+the host's first address otherwise).
 **Runtime workaround**: its servers get ``benchmarks/builtin_store_cpu_workaround`` on
 ``PYTHONPATH``, a sitecustomize that makes ``torch.cuda.Event`` an always-complete event on
 CPU-only torch (its ``wait_for_save`` creates one for every save, which kills the worker there
