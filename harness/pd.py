@@ -174,6 +174,11 @@ async def two_legs(
     return head, tail
 
 
+def pool_counter(server: VllmServer, name: str) -> float:
+    """One of our pool's counters (``mooncake_vllm:pool_<name>_total``) on ``server``."""
+    return server.metric(f"mooncake_vllm:pool_{name}_total")
+
+
 async def minimal_proxy(
     session: aiohttp.ClientSession, prefill: VllmServer, decode: VllmServer, body: dict[str, Any]
 ) -> Answer:

@@ -151,3 +151,12 @@ def pd(cluster, request):
         if after != before:
             cluster.dump_logs = True
             pytest.fail(f"pulls failed during this test (before {before}, after {after})")
+
+
+@pytest.fixture
+async def http():
+    """An HTTP client for the test's servers (``harness.pd.client_session``)."""
+    from harness.pd import client_session
+
+    async with client_session() as s:
+        yield s

@@ -15,7 +15,6 @@ import uuid
 import pytest
 
 from harness.pd import (
-    client_session,
     complete,
     two_legs,
 )
@@ -67,12 +66,6 @@ def nothing_held(srv) -> bool:
     return srv.metric("mooncake_vllm:held_leases") == 0 and srv.metric(
         "vllm:kv_cache_usage_perc"
     ) == pytest.approx(0.0, abs=1e-9)
-
-
-@pytest.fixture
-async def http():
-    async with client_session() as s:
-        yield s
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])

@@ -20,7 +20,6 @@ from harness.pd import (
     DECODE_HOST,
     PREFILL_HOST,
     ServerSpec,
-    client_session,
     complete,
     kv_args,
     start_many,
@@ -181,12 +180,6 @@ async def _usable_within(pd, pair: Pair, http, seed: int, within_s: float) -> fl
         seed += 1000
         await asyncio.sleep(0.5)
     return time.monotonic() - start
-
-
-@pytest.fixture
-async def http():
-    async with client_session() as s:
-        yield s
 
 
 async def test_etcd_seed_form_and_a_restarted_producer(pd, http, tmp_path, log_on_failure):

@@ -31,7 +31,6 @@ from test_connector_e2e import body, eventually, nothing_held, prefill_body
 
 from harness.pd import (
     ServerSpec,
-    client_session,
     complete,
     kv_args,
     mooncake_json,
@@ -107,12 +106,6 @@ def mla(tmp_path_factory, request):
             print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
     for srv in reversed(started):
         srv.stop()
-
-
-@pytest.fixture
-async def http():
-    async with client_session() as s:
-        yield s
 
 
 def log_since(srv, offset: int) -> str:

@@ -17,11 +17,11 @@ import pytest
 
 from harness.pd import (
     ServerSpec,
-    client_session,
     complete,
     eventually,
     minimal_proxy,
     pool_args,
+    pool_counter,
     start_many,
 )
 from harness.servers import start_mooncake_master
@@ -81,16 +81,6 @@ def body(model: str, prompt, **kw) -> dict:
     # ignore_eos: every answer is MAX_TOKENS long, so every one compares that many tokens.
     return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, **kw}  # fmt: skip
-
-
-def pool_counter(srv, name: str) -> float:
-    return srv.metric(f"mooncake_vllm:pool_{name}_total")
-
-
-@pytest.fixture
-async def http():
-    async with client_session() as s:
-        yield s
 
 
 async def test_minimal_proxy_outputs_equal_plain_and_prompts_come_from_the_pool(pool, http):

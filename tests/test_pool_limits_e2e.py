@@ -12,11 +12,11 @@ import pytest
 
 from harness.pd import (
     ServerSpec,
-    client_session,
     complete,
     eventually,
     minimal_proxy,
     pool_args,
+    pool_counter,
     start_many,
 )
 from harness.servers import start_mooncake_master
@@ -68,16 +68,6 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 def body(model: str, prompt, **kw) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, **kw}  # fmt: skip
-
-
-def pool_counter(srv, name: str) -> float:
-    return srv.metric(f"mooncake_vllm:pool_{name}_total")
-
-
-@pytest.fixture
-async def http():
-    async with client_session() as s:
-        yield s
 
 
 async def test_a_full_pool_fails_or_evicts_puts_and_every_request_still_answers_right(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import servers
-from harness.pd import client_session, complete, eventually
+from harness.pd import complete, eventually
 
 pytestmark = pytest.mark.servers
 
@@ -36,12 +36,6 @@ def proxy(cluster):
         yield url
     finally:
         proc.stop()
-
-
-@pytest.fixture
-async def http():
-    async with client_session() as s:
-        yield s
 
 
 def prompt_ids(seed: int, n: int) -> list[int]:
