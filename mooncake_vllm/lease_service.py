@@ -32,8 +32,9 @@ from mooncake_vllm.side_channel import SideChannelServer
 
 logger = logging.getLogger(__name__)
 
-# Test hook (tests/test_new_user_setup.py): freeze the producer's worker right after granting a
-# transfer whose id starts with this prefix, as a producer stopped mid-pull would. Unset: off.
+# Test hook (tests/test_new_user_setup.py): freeze the producer's worker once the lease of a
+# transfer whose id starts with this prefix is granted, before the grant is sent (so no read can
+# beat the freeze), as a producer stopped mid-pull would. Unset: off.
 _FREEZE_PREFIX = os.environ.get("MOONCAKE_VLLM_TEST_FREEZE_AFTER_GRANT", "")
 
 
@@ -150,8 +151,7 @@ class LeaseService:
     def _freeze_hook(self, rank: int) -> Callable[[str], None]:
         def freeze(transfer_id: str) -> None:
             if transfer_id.startswith(_FREEZE_PREFIX):
-                pid = self._layouts[rank].worker_pid
-                threading.Timer(0.001, os.kill, (pid, signal.SIGSTOP)).start()
+                os.kill(self._layouts[rank].worker_pid, signal.SIGSTOP)
 
         return freeze
 

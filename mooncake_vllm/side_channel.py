@@ -137,9 +137,9 @@ class SideChannelServer:
         got = self._leases.acquire(frame.transfer_id, frame.remote_block_ids, frame.readers)
         if isinstance(got, Lease):
             segment, segments = self._layout()
-            self._send(identity, Granted(frame.transfer_id, segment, segments))
             if self._on_grant is not None:
                 self._on_grant(frame.transfer_id)
+            self._send(identity, Granted(frame.transfer_id, segment, segments))
         else:
             reason = got or f"unknown transfer id {frame.transfer_id}"
             self._send(identity, Refused(frame.transfer_id, reason))
