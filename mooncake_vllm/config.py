@@ -79,6 +79,9 @@ class MooncakeSettings(BaseModel):
     # With a metadata store: the OpenAI base URL published for ``proxy_server.py --discover``.
     # Default: the vLLM API server's --host/--port (see ``serving_url``).
     advertise_url: str | None = None
+    # Seconds vLLM's queue readers in this engine busy-wait after a message (vLLM: 1 s);
+    # null keeps vLLM's. See ``vllm_spin``.
+    vllm_busy_loop_s: float | None = Field(0.02, ge=0, le=1)
 
     @field_validator("prefill_url", "decode_url")
     @classmethod

@@ -64,6 +64,9 @@ class PoolSettings(BaseModel):
     load_timeout_s: float = Field(10.0, gt=0)
     # The scheduler's existence check; past it the prompt counts as a miss (computed here).
     lookup_timeout_s: float = Field(1.0, gt=0, le=30)
+    # Seconds vLLM's queue readers in this engine busy-wait after a message (vLLM: 1 s);
+    # null keeps vLLM's. See ``mooncake_vllm.vllm_spin``.
+    vllm_busy_loop_s: float | None = Field(0.02, ge=0, le=1)
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod

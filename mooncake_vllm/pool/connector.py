@@ -28,6 +28,7 @@ from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
 from mooncake_vllm.pool.stats import PoolPromMetrics, PoolStats
 from mooncake_vllm.pool.step_metadata import PoolConnectorMetadata
 from mooncake_vllm.scheduler import engine_compat_hash
+from mooncake_vllm.vllm_spin import shorten_queue_spin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +57,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 "'kv_consumer' or 'kv_both'"
             )
         check_reachable(settings)
+        shorten_queue_spin(settings.vllm_busy_loop_s)
         is_producer = ktc.kv_role in ("kv_producer", "kv_both")
         is_consumer = ktc.kv_role in ("kv_consumer", "kv_both")
         self._scheduler: PoolSchedulerHalf | None = None

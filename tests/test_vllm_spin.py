@@ -1,0 +1,44 @@
+"""``vllm_busy_loop_s``: our connectors shorten the spin of vLLM's real queue readers."""
+
+import zmq
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+from mooncake_vllm.config import MooncakeSettings
+from mooncake_vllm.pool.config import PoolSettings
+from mooncake_vllm.vllm_spin import shorten_queue_spin
+
+
+def _conditions(tmp_path):
+    ctx = zmq.Context()
+    address = f"ipc://{tmp_path}/notify"
+    writer = SpinCondition(is_reader=False, context=ctx, notify_address=address)
+    reader = SpinCondition(is_reader=True, context=ctx, notify_address=address)
+    return ctx, writer, reader
+
+
+def test_readers_spin_for_the_setting_and_writers_are_left_alone(tmp_path):
+    ctx, writer, reader = _conditions(tmp_path)
+    try:
+        assert reader.busy_loop_s == 1  # vLLM's own
+        assert shorten_queue_spin(0.02) >= 1
+        assert reader.busy_loop_s == 0.02
+        assert writer.busy_loop_s == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_null_keeps_vllms_spin(tmp_path):
+    ctx, _, reader = _conditions(tmp_path)
+    try:
+        assert shorten_queue_spin(None) == 0
+        assert reader.busy_loop_s == 1
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_both_connectors_default_to_a_short_spin_and_accept_null():
+    assert MooncakeSettings().vllm_busy_loop_s == 0.02
+    assert MooncakeSettings(vllm_busy_loop_s=None).vllm_busy_loop_s is None
+    pool = dict(master_server_address="127.0.0.1:50051", metadata_server="http://h:8080/metadata")
+    assert PoolSettings(**pool).vllm_busy_loop_s == 0.02
+    assert PoolSettings(**pool, vllm_busy_loop_s=None).vllm_busy_loop_s is None
