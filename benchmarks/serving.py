@@ -44,7 +44,7 @@ from tqdm import tqdm
 from benchmarks import common
 from harness import servers
 from harness.pd import ServerSpec, kv_args, mooncake_json, sse_events, start_many
-from harness.tiny_model import TinyMLASpec, TinyModelSpec, build_tiny_model
+from harness.tiny_model import MLA_CPU_ARGS, TinyMLASpec, TinyModelSpec, build_tiny_model
 
 CONFIGS = ["plain", "ours", "pool", "builtin"]
 OUTPUT_TOKENS = 32
@@ -61,7 +61,6 @@ MAX_MODEL_LEN = 2304
 STATS_ENV = {"VLLM_LOG_STATS_INTERVAL": "1"}
 # The MLA model's server flags on CPU (with the harness's --dtype float32): vLLM's reference MLA
 # kernels; vLLM then uses 16-token blocks and turns prefix caching and chunked prefill off.
-MLA_ARGS = ["--attention-backend", "CPU_MLA"]
 
 
 class Stack:
@@ -78,7 +77,7 @@ class Stack:
         self.with_builtin, self.with_pool = with_builtin, with_pool
         self.workdir, self.log_dir = workdir, log_dir
         self.spec = spec
-        self.model_args = MLA_ARGS if isinstance(spec, TinyMLASpec) else []
+        self.model_args = MLA_CPU_ARGS if isinstance(spec, TinyMLASpec) else []
         self.started: list = []
         self.urls: dict[str, str] = {}
 
@@ -519,7 +518,7 @@ def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: li
     notes = [
         "TTFT/ITL/TPOT measured by the client through each setup's front door (proxy or server)",
         f"{model_label} {stack.spec.name}: {stack.spec.kv_bytes_per_token} B of KV per token"
-        + (f"; server flags {' '.join(MLA_ARGS)} (block size 16)" if mla else ""),
+        + (f"; server flags {' '.join(MLA_CPU_ARGS)} (block size 16)" if mla else ""),
     ]
     if stack.with_builtin:
         notes.append(WORKAROUND_NOTE)

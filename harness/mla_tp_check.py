@@ -4,8 +4,8 @@
 
 Starts the tiny MLA model three times: ``tp2`` (kv_both, ``--tensor-parallel-size 2``, mp
 executor), ``tp1`` (kv_both) and a plain reference, then hands prompts over tp2 → tp1, tp1 → tp2
-and tp2 → tp2, and prints for each direction: token equality with plain (computed in the
-handover's order, see ``tests/test_mla_e2e.py``), the consumer's pulls, bytes and failures,
+and tp2 → tp2, and prints for each direction: token equality with plain and with the consumer
+computing the prompt itself, the consumer's pulls, bytes and failures,
 prompt tokens by external transfer, and the producer's released/expired leases. The latent is
 replicated across TP ranks, so every consumer rank should pull it exactly once: pulls = requests ×
 consumer TP size, bytes = latent pages × consumer TP size. Not in the test suite: TP2 servers take
@@ -20,10 +20,9 @@ import random
 import time
 
 from harness.pd import ServerSpec, client_session, complete, kv_args, start_many, two_legs
-from harness.tiny_model import TinyMLASpec, build_tiny_model
+from harness.tiny_model import MLA_CPU_ARGS, TinyMLASpec, build_tiny_model
 
 SPEC = TinyMLASpec()
-MLA_ARGS = ["--attention-backend", "CPU_MLA"]
 BLOCK, MAX_TOKENS = 16, 8
 TP2_HOST, TP1_HOST = "127.0.0.8", "127.0.0.9"
 
@@ -53,19 +52,13 @@ async def direction(http, plain, producer, consumer, consumer_tp: int, lengths, 
     before = snapshot(consumer, producer)
     equal, equal_same_tp, pages, prompt_tokens = 0, 0, 0, 0
     for n in lengths:
-        case = [rng.randrange(3, SPEC.vocab) for _ in range(n)]
-        head = case[:-1]
-        request = {"model": plain.model, "prompt": head, "max_tokens": MAX_TOKENS + 1,
-                   "temperature": 0}  # fmt: skip
-        ref = await complete(http, plain, request)
-        local = await complete(http, consumer, request)
-        prompt, ref_ids = head + ref.token_ids[:1], ref.token_ids[1:]
+        prompt = [rng.randrange(3, SPEC.vocab) for _ in range(n)]
         body = {"model": plain.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        ref = await complete(http, plain, body)
+        local = await complete(http, consumer, body)
         _, tail = await two_legs(http, producer, consumer, body)
-        equal += tail.token_ids == ref_ids
-        equal_same_tp += local.token_ids[:1] == ref.token_ids[:1] and (
-            tail.token_ids == local.token_ids[1:]
-        )
+        equal += tail.token_ids == ref.token_ids
+        equal_same_tp += tail.token_ids == local.token_ids
         pages += -(-n // BLOCK)
         prompt_tokens += n
     await asyncio.sleep(3)  # vLLM publishes connector stats after the step
@@ -104,12 +97,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     model = str(build_tiny_model(spec=SPEC))
     specs = [
-        ServerSpec("plain-mla-tp", args=[*MLA_ARGS, "--distributed-executor-backend", "uni"]),
+        ServerSpec("plain-mla-tp", args=[*MLA_CPU_ARGS, "--distributed-executor-backend", "uni"]),
         ServerSpec(
             "mla-tp2",
             TP2_HOST,
             [
-                *MLA_ARGS,
+                *MLA_CPU_ARGS,
                 "--tensor-parallel-size",
                 "2",
                 "--distributed-executor-backend",
@@ -117,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                 *kv_both(TP2_HOST, 13200),
             ],
         ),
-        ServerSpec("mla-tp1", TP1_HOST, [*MLA_ARGS, *kv_both(TP1_HOST, 13300)]),
+        ServerSpec("mla-tp1", TP1_HOST, [*MLA_CPU_ARGS, *kv_both(TP1_HOST, 13300)]),
     ]
     t0 = time.monotonic()
     started = start_many(model, specs, timeout_s=1800)

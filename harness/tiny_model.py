@@ -137,6 +137,16 @@ class TinyMLASpec:
 
 TinySpec = TinyModelSpec | TinyMLASpec
 
+# vLLM flags for serving a TinyMLASpec model on CPU (beside the harness's --dtype float32): the
+# reference MLA kernels, and vLLM's PyTorch rotary embedding instead of its CPU op, which rotates
+# MLA queries wrongly (mooncake_vllm/cpu_mla.py).
+MLA_CPU_ARGS = (
+    "--attention-backend",
+    "CPU_MLA",
+    "--compilation-config",
+    '{"custom_ops":["-rotary_embedding"]}',
+)
+
 
 def _common_config(spec: TinySpec, vocab_size: int, bos_token_id: int, eos_token_id: int) -> dict:
     """The config fields both model families take alike."""

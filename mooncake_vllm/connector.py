@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from mooncake_vllm.config import load_settings, resolve
+from mooncake_vllm.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.lease_service import RankLayout
 from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.protocol import MemSegment
@@ -79,6 +80,7 @@ class MooncakeConnector(KVConnectorBase_V1):
         compat = engine_compat_hash(vllm_config)
         replicated = kv_is_replicated(vllm_config)  # MLA: any TP size on either side
         if role == KVConnectorRole.SCHEDULER:
+            warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
             self._scheduler = SchedulerHalf(
                 self._cfg,
                 vllm_config.cache_config.block_size,

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from mooncake_vllm.config import ConfigError, load_settings
+from mooncake_vllm.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.pool.config import PoolSettings, check_reachable
 from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
@@ -63,6 +64,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self._scheduler: PoolSchedulerHalf | None = None
         self._worker: PoolWorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
+            warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
             store = None
             if is_consumer:
                 from mooncake_vllm.pool.store import PoolStore
