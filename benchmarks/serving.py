@@ -4,7 +4,10 @@
 
 Four setups of the tiny local model (``--mla``: the tiny DeepSeek-V2-style MLA model, served
 with ``--attention-backend CPU_MLA``; results then go to ``serving_mla.json``/``.png``) on this
-machine, started together and measured interleaved (a b c a b c ...) so drift hits all alike:
+machine, started together and measured interleaved (a b c a b c ...) so drift hits all alike.
+Each setup's batch starts after a pause (``--quiet-s``, 1.2 s): a vLLM worker busy-waits about a
+second after each step (plain and the built-in pair keep vLLM's 1 s), which on 2 cores would slow
+whichever setup is measured next:
 
 - ``plain``: one vLLM server;
 - ``ours``: prefill (127.0.0.2) + decode (127.0.0.3) with this package's MooncakeConnector
@@ -351,7 +354,9 @@ def make_prompts(length: int, n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)] for _ in range(n)]
 
 
-def sweep(stack: Stack, lengths, concurrencies, requests: int, rounds: int, seed: int):
+def sweep(
+    stack: Stack, lengths, concurrencies, requests: int, rounds: int, seed: int, quiet_s: float
+):
     configs = [c for c in CONFIGS if c in stack.urls]
     samples, cells = [], []
     total = len(lengths) * len(concurrencies) * rounds * len(configs)
@@ -370,6 +375,7 @@ def sweep(stack: Stack, lengths, concurrencies, requests: int, rounds: int, seed
                     # Fresh prompts per round (no prefix-cache hits), the same for every setup.
                     prompts = make_prompts(length, per_round, seed * 1000 + r * 7 + conc)
                     for c in configs:
+                        time.sleep(quiet_s)  # the previous setup's workers stop busy-waiting
                         results, wall_s = asyncio.run(
                             run_batch(stack.urls[c], stack.model, prompts, conc)
                         )
@@ -554,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-builtin", action="store_true", help="skip vLLM's built-in connector")
     ap.add_argument("--no-pool", action="store_true", help="skip our pool mode")
     ap.add_argument("--mla", action="store_true", help="the tiny MLA model instead of the Llama")
+    ap.add_argument(
+        "--quiet-s",
+        type=float,
+        default=1.2,
+        help="pause before each setup's batch, so the last one's busy-waiting workers are idle",
+    )
     args = ap.parse_args(argv)
     lengths = args.lengths or ([256, 1024, 2048] if args.full else [256, 1024])
     requests = args.requests or (24 if args.full else 8)
@@ -569,7 +581,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         stack.start()
         print(f"servers up after {time.monotonic() - t0:.0f} s", flush=True)
-        samples, cells = sweep(stack, lengths, args.concurrency, requests, rounds, args.seed)
+        samples, cells = sweep(
+            stack, lengths, args.concurrency, requests, rounds, args.seed, args.quiet_s
+        )
         idle_ms = idle_pulls(stack, max(lengths), 5, args.seed)
     finally:
         stack.stop()
@@ -580,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         "concurrency": args.concurrency,
         "requests_per_cell": requests,
         "rounds": rounds,
+        "quiet_s": args.quiet_s,
         "seed": args.seed,
         "log_dir": str(log_dir),
         "idle_pair_read_ms": idle_ms,

@@ -65,7 +65,7 @@ def test_serving_benchmark_on_the_shared_cluster(pd, tmp_path, capsys):
     try:
         proc.wait_until(lambda: servers.http_text(f"{url}/health") is not None, 60, "healthy")
         stack = serving.Stack.attach(pd.model, pd.plain, pd.prefill, pd.decode, url, tmp_path)
-        samples, cells = serving.sweep(stack, [200], [1], requests=1, rounds=1, seed=1)
+        samples, cells = serving.sweep(stack, [200], [1], requests=1, rounds=1, seed=1, quiet_s=0)
     finally:
         proc.stop()
     serving.record(tmp_path, stack, {"mode": "smoke"}, samples, cells)
