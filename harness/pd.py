@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from harness.servers import VllmServer, start_vllm
+from harness.servers import MasterServer, VllmServer, start_vllm
 
 PREFILL_HOST, DECODE_HOST = "127.0.0.2", "127.0.0.3"
 
@@ -50,6 +50,16 @@ def pool_args(role: str, extra: Mapping[str, Any], **top: Any) -> list[str]:
     cfg: dict[str, Any] = {"kv_connector": "MooncakeStoreConnector", "kv_role": role, **top}
     cfg["kv_connector_extra_config"] = dict(extra)
     return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+def pool_extra(master: MasterServer, **settings: Any) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of a pool on ``master`` (its http metadata server), plus
+    ``settings``."""
+    return {
+        "master_server_address": master.address,
+        "metadata_server": master.metadata_url,
+        **settings,
+    }
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,15 @@ def start_many(
             srv.stop()
         raise error
     return started
+
+
+def start_with_master(model: str, master: MasterServer, specs: Sequence[ServerSpec]):
+    """``start_many`` for a pool's servers: if they do not all start, the master stops too."""
+    try:
+        return start_many(model, specs)
+    except Exception:
+        master.stop()
+        raise
 
 
 # ---- two-leg client -----------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from harness.pd import (
     minimal_proxy,
     pool_args,
     pool_counter,
-    start_many,
+    pool_extra,
+    start_with_master,
 )
 from harness.servers import start_mooncake_master
 
@@ -38,12 +39,7 @@ EXTERNAL = "vllm:prompt_tokens_by_source_total"
 @pytest.fixture(scope="module")
 def pool(cluster):
     master = start_mooncake_master()
-    extra = {
-        "master_server_address": master.address,
-        "metadata_server": master.metadata_url,
-        "global_segment_size": "256MB",
-        "load_timeout_s": 10,
-    }
+    extra = pool_extra(master, global_segment_size="256MB", load_timeout_s=10)
     specs = [
         ServerSpec("pool-prefill", args=pool_args("kv_both", extra)),
         ServerSpec("pool-decode1", args=pool_args("kv_both", extra)),
@@ -59,11 +55,7 @@ def pool(cluster):
             env={"VLLM_PLUGINS": ""},
         ),
     ]
-    try:
-        servers = start_many(cluster.model, specs)
-    except Exception:
-        master.stop()
-        raise
+    servers = start_with_master(cluster.model, master, specs)
     state = dict(zip(("prefill", "decode1", "decode2"), servers, strict=True))
     # The suite's plain server (same model) is the reference.
     state.update(master=master, model=cluster.model, plain=cluster.plain)

@@ -17,7 +17,8 @@ from harness.pd import (
     minimal_proxy,
     pool_args,
     pool_counter,
-    start_many,
+    pool_extra,
+    start_with_master,
 )
 from harness.servers import start_mooncake_master
 from harness.tiny_model import TinyModelSpec, build_tiny_model
@@ -36,22 +37,14 @@ OTHER_MODEL = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=
 @pytest.fixture(scope="module")
 def small_pool(cluster):
     master = start_mooncake_master()
-    extra = {
-        "master_server_address": master.address,
-        "metadata_server": master.metadata_url,
-        "global_segment_size": f"{SEGMENT_MIB}MB",
-    }
+    extra = pool_extra(master, global_segment_size=f"{SEGMENT_MIB}MB")
     other = str(build_tiny_model(spec=OTHER_MODEL))
     specs = [
         ServerSpec("small-prefill", args=pool_args("kv_both", extra)),
         ServerSpec("small-decode", args=pool_args("kv_both", extra)),
         ServerSpec("small-other", args=pool_args("kv_both", extra), model=other),
     ]
-    try:
-        servers = start_many(cluster.model, specs)
-    except Exception:
-        master.stop()
-        raise
+    servers = start_with_master(cluster.model, master, specs)
     yield {
         "model": cluster.model, "plain": cluster.plain, "prefill": servers[0],
         "decode": servers[1], "other": servers[2], "other_model": other,

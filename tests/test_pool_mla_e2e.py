@@ -19,7 +19,8 @@ from harness.pd import (
     minimal_proxy,
     pool_args,
     pool_counter,
-    start_many,
+    pool_extra,
+    start_with_master,
 )
 from harness.servers import start_mooncake_master
 from harness.tiny_model import MLA_CPU_ARGS, TinyMLASpec, build_tiny_model
@@ -38,22 +39,13 @@ EXTERNAL = "vllm:prompt_tokens_by_source_total"
 def mla_pool():
     model = str(build_tiny_model(spec=SPEC))
     master = start_mooncake_master()
-    extra = {
-        "master_server_address": master.address,
-        "metadata_server": master.metadata_url,
-        "global_segment_size": "128MB",
-        "load_timeout_s": 10,
-    }
+    extra = pool_extra(master, global_segment_size="128MB", load_timeout_s=10)
     specs = [
         ServerSpec("plain-mla-pool", args=[*MLA_CPU_ARGS, "--distributed-executor-backend", "uni"]),
         ServerSpec("pool-mla-prefill", args=[*MLA_CPU_ARGS, *pool_args("kv_both", extra)]),
         ServerSpec("pool-mla-decode", args=[*MLA_CPU_ARGS, *pool_args("kv_both", extra)]),
     ]
-    try:
-        servers = start_many(model, specs)
-    except Exception:
-        master.stop()
-        raise
+    servers = start_with_master(model, master, specs)
     yield model, *servers
     for srv in [*reversed(servers), master]:
         srv.stop()
