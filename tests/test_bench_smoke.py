@@ -3,12 +3,13 @@ PNG. Tiny sizes, no timing asserts (CI machines are noisy)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 
 import pytest
 
-from benchmarks import proxy, serving, soak, transfer
+from benchmarks import beside, proxy, serving, soak, transfer
 from harness import servers
 
 COMMON_KEYS = {"benchmark", "command", "machine", "versions", "settings", "notes", "rows"}
@@ -85,3 +86,13 @@ def test_soak_benchmark_runs_its_own_pair_and_counts_every_pull(tmp_path, capsys
     assert rc == 0, row
     assert (row["requests"], row["failed"], row["pulls"], row["pull_failures"]) == (12, 0, 12, 0)
     assert row["ext_share"] >= 0.95
+
+
+@pytest.mark.servers
+def test_beside_benchmark_on_the_shared_cluster(pd, tmp_path, capsys):
+    rows = asyncio.run(beside.measure(pd.model, pd.prefill, pd.decode, pulls=2, tokens=300))
+    beside.record(tmp_path, rows, {"mode": "smoke"})
+    doc = _check_outputs(tmp_path, "beside", capsys, {"phase", "itl_p99_ms", "decode_cpu_cores"})
+    by_phase = {r["phase"]: r for r in doc["rows"]}
+    assert by_phase["beside pulls"]["pulls"] == 2  # the decode pulled, it did not recompute
+    assert all(r["itl_n"] > 0 for r in doc["rows"])
