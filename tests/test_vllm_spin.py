@@ -1,6 +1,8 @@
 """``vllm_busy_loop_s``: our connectors shorten the spin of vLLM's real queue readers."""
 
+import pytest
 import zmq
+from pydantic import ValidationError
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 from mooncake_vllm.config import MooncakeSettings
@@ -42,3 +44,11 @@ def test_both_connectors_default_to_a_short_spin_and_accept_null():
     pool = dict(master_server_address="127.0.0.1:50051", metadata_server="http://h:8080/metadata")
     assert PoolSettings(**pool).vllm_busy_loop_s == 0.02
     assert PoolSettings(**pool, vllm_busy_loop_s=None).vllm_busy_loop_s is None
+
+
+def test_a_spin_too_short_for_vllms_wake_ups_is_refused_naming_the_field():
+    with pytest.raises(ValidationError, match="vllm_busy_loop_s"):
+        MooncakeSettings(vllm_busy_loop_s=0)
+    pool = dict(master_server_address="127.0.0.1:50051", metadata_server="http://h:8080/metadata")
+    with pytest.raises(ValidationError, match="vllm_busy_loop_s"):
+        PoolSettings(**pool, vllm_busy_loop_s=0.001)

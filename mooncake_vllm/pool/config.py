@@ -65,8 +65,9 @@ class PoolSettings(BaseModel):
     # The scheduler's existence check; past it the prompt counts as a miss (computed here).
     lookup_timeout_s: float = Field(1.0, gt=0, le=30)
     # Seconds vLLM's queue readers in this engine busy-wait after a message (vLLM: 1 s);
-    # null keeps vLLM's. See ``mooncake_vllm.vllm_spin``.
-    vllm_busy_loop_s: float | None = Field(0.02, ge=0, le=1)
+    # null keeps vLLM's. See ``mooncake_vllm.vllm_spin``. Not below 20 ms: at 0 a reader that
+    # misses a wake-up waits for vLLM's 5 s recheck (measured: 32 tokens took 155 s).
+    vllm_busy_loop_s: float | None = Field(0.02, ge=0.02, le=1)
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod
