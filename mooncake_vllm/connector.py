@@ -35,7 +35,7 @@ from mooncake_vllm.scheduler import (
 )
 from mooncake_vllm.stats import MooncakePromMetrics, MooncakeStats
 from mooncake_vllm.step_metadata import MooncakeConnectorMetadata, MooncakeWorkerMeta
-from mooncake_vllm.vllm_spin import shorten_queue_spin
+from mooncake_vllm.vllm_spin import shorten_gil_switch_interval, shorten_queue_spin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,6 +69,7 @@ class MooncakeConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         settings = load_settings(ktc.kv_connector_extra_config)
         shorten_queue_spin(settings.vllm_busy_loop_s)
+        shorten_gil_switch_interval(settings.gil_switch_interval_s)
         self._cfg = resolve(
             settings,
             ktc.kv_role,

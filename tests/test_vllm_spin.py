@@ -1,5 +1,7 @@
 """``vllm_busy_loop_s``: our connectors shorten the spin of vLLM's real queue readers."""
 
+import sys
+
 import pytest
 import zmq
 from pydantic import ValidationError
@@ -7,7 +9,7 @@ from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 from mooncake_vllm.config import MooncakeSettings
 from mooncake_vllm.pool.config import PoolSettings
-from mooncake_vllm.vllm_spin import shorten_queue_spin
+from mooncake_vllm.vllm_spin import shorten_gil_switch_interval, shorten_queue_spin
 
 
 def _conditions(tmp_path):
@@ -52,3 +54,16 @@ def test_a_spin_too_short_for_vllms_wake_ups_is_refused_naming_the_field():
     pool = dict(master_server_address="127.0.0.1:50051", metadata_server="http://h:8080/metadata")
     with pytest.raises(ValidationError, match="vllm_busy_loop_s"):
         PoolSettings(**pool, vllm_busy_loop_s=0.001)
+
+
+def test_the_gil_switch_interval_is_set_or_left_alone():
+    before = sys.getswitchinterval()
+    try:
+        shorten_gil_switch_interval(None)
+        assert sys.getswitchinterval() == before
+        shorten_gil_switch_interval(MooncakeSettings().gil_switch_interval_s)
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ValidationError, match="gil_switch_interval_s"):
+        MooncakeSettings(gil_switch_interval_s=0)
