@@ -49,7 +49,7 @@ from harness import servers
 from harness.pd import ServerSpec, kv_args, mooncake_json, sse_events, start_many
 from harness.tiny_model import MLA_CPU_ARGS, TinyMLASpec, TinyModelSpec, build_tiny_model
 
-CONFIGS = ["plain", "ours", "pool", "builtin"]
+CONFIGS = ["plain", "ours", "ours_b", "pool", "builtin"]
 OUTPUT_TOKENS = 32
 VOCAB_LOW, VOCAB_HIGH = 10, 2000  # the tiny model's vocabulary is 2048 ids
 WORKAROUND_DIR = Path(__file__).parent / "builtin_cpu_workaround"
@@ -60,6 +60,7 @@ WORKAROUND_NOTE = (
 )
 OURS_P, OURS_D, BUILTIN_P, BUILTIN_D = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"
 POOL_P, POOL_D = "127.0.0.6", "127.0.0.7"
+OURS_B_P, OURS_B_D = "127.0.0.8", "127.0.0.9"
 MAX_MODEL_LEN = 2304
 STATS_ENV = {"VLLM_LOG_STATS_INTERVAL": "1"}
 # The MLA model's server flags on CPU (with the harness's --dtype float32): vLLM's reference MLA
@@ -76,8 +77,10 @@ class Stack:
         log_dir: Path,
         spec: TinyModelSpec | TinyMLASpec,
         with_pool: bool = False,
+        ours_b: dict | None = None,
     ):
         self.with_builtin, self.with_pool = with_builtin, with_pool
+        self.ours_b = ours_b  # settings of a second P2P pair measured beside ours (an A/B)
         self.workdir, self.log_dir = workdir, log_dir
         self.spec = spec
         self.model_args = MLA_CPU_ARGS if isinstance(spec, TinyMLASpec) else []
@@ -114,6 +117,18 @@ class Stack:
                 ours_env,
             ),
         ]
+        if self.ours_b is not None:
+            cfg_b = mooncake_json(
+                self.workdir / "mooncake-b.json",
+                prefill_url=f"{OURS_B_P}:13003",
+                decode_url=f"{OURS_B_D}:13012",
+                **self.ours_b,
+            )
+            env_b = {"MOONCAKE_CONFIG_PATH": str(cfg_b), **STATS_ENV}
+            specs += [
+                ServerSpec("ours_b-prefill", OURS_B_P, specs[1].args, env_b),
+                ServerSpec("ours_b-decode", OURS_B_D, specs[2].args, env_b),
+            ]
         if self.with_pool:
             master = servers.start_mooncake_master(log_dir=self.log_dir)
             self.started.append(master)
@@ -149,6 +164,12 @@ class Stack:
             ["mooncake_vllm.proxy.server", "--prefill", self.vllm["ours-prefill"].url,
              "--decode", self.vllm["ours-decode"].url, "--log-level", "warning"],
         )  # fmt: skip
+        if self.ours_b is not None:
+            self.urls["ours_b"] = self._proxy(
+                "ours_b-proxy",
+                ["mooncake_vllm.proxy.server", "--prefill", self.vllm["ours_b-prefill"].url,
+                 "--decode", self.vllm["ours_b-decode"].url, "--log-level", "warning"],
+            )  # fmt: skip
         if self.with_pool:
             self.urls["pool"] = self._proxy(
                 "pool-proxy",
@@ -299,8 +320,8 @@ _BUILTIN_LINE = re.compile(
 )
 
 
-def ours_counters(stack: Stack) -> dict:
-    d = stack.vllm["ours-decode"]
+def ours_counters(stack: Stack, decode: str = "ours-decode") -> dict:
+    d = stack.vllm[decode]
     return {
         "transfers": d.metric("mooncake_vllm:pulls_total"),
         "seconds": d.metric("mooncake_vllm:pull_duration_seconds_sum"),
@@ -339,6 +360,8 @@ def builtin_counters(stack: Stack) -> dict:
 
 def counters(stack: Stack) -> dict[str, dict]:
     out = {"ours": ours_counters(stack)}
+    if stack.ours_b is not None:
+        out["ours_b"] = ours_counters(stack, "ours_b-decode")
     if stack.with_pool:
         out["pool"] = pool_counters(stack)
     if stack.with_builtin:
@@ -488,7 +511,8 @@ def plot(rows: list[dict], model_label: str):
 
         concs = sorted({r["conc"] for r in rows})
         fig, axes = plt.subplots(1, len(concs) + 1, figsize=(5.2 * (len(concs) + 1), 4.2))
-        colors = {"plain": "#7f7f7f", "ours": "#1f77b4", "pool": "#2ca02c", "builtin": "#ff7f0e"}
+        colors = {"plain": "#7f7f7f", "ours": "#1f77b4", "ours_b": "#9467bd", "pool": "#2ca02c",
+                  "builtin": "#ff7f0e"}  # fmt: skip
 
         def series(ax, sel: list[dict], y: str, config: str) -> None:
             if sel:
@@ -508,7 +532,8 @@ def plot(rows: list[dict], model_label: str):
             panel(ax, CONFIGS, conc, "ttft_p50", "TTFT p50 (ms)", f"TTFT, concurrency {conc}")
         kv_title = f"KV transfer time, concurrency {concs[0]}"
         kv_label = "KV transfer per request (ms, own counters)"
-        panel(axes[-1], ("ours", "pool", "builtin"), concs[0], "kv_ms/req", kv_label, kv_title)
+        kv_configs = ("ours", "ours_b", "pool", "builtin")
+        panel(axes[-1], kv_configs, concs[0], "kv_ms/req", kv_label, kv_title)
         common.save_figure(
             fig, path, f"{model_label}, CPU, 1P1D over TCP loopback vs one plain vLLM"
         )
@@ -528,6 +553,11 @@ def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: li
     ]
     if stack.with_builtin:
         notes.append(WORKAROUND_NOTE)
+    if stack.ours_b is not None:
+        notes.append(
+            f"ours_b: a second P2P pair ({OURS_B_P}, {OURS_B_D}) whose mooncake.json adds "
+            f"{json.dumps(stack.ours_b)}, measured interleaved with ours"
+        )
     if stack.with_pool:
         notes.append(
             "pool: kv_ms/req is decode's get time per load from the pool; the prefill's puts "
@@ -566,6 +596,15 @@ def main(argv: list[str] | None = None) -> int:
         default=1.2,
         help="pause before each setup's batch, so the last one's busy-waiting workers are idle",
     )
+    ap.add_argument(
+        "--ours-b",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="an A/B: a second P2P pair whose mooncake.json adds these settings, measured "
+        "interleaved with ours, e.g. '{\"gil_switch_interval_s\": null}' (with --no-pool: "
+        "seven vLLMs fit in 24 GiB)",
+    )
     args = ap.parse_args(argv)
     lengths = args.lengths or ([256, 1024, 2048] if args.full else [256, 1024])
     requests = args.requests or (24 if args.full else 8)
@@ -573,7 +612,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-bench-serving-"))
     log_dir = workdir / "logs"
     spec = TinyMLASpec() if args.mla else TinyModelSpec()
-    stack = Stack(not args.no_builtin, workdir, log_dir, spec, with_pool=not args.no_pool)
+    stack = Stack(
+        not args.no_builtin, workdir, log_dir, spec, with_pool=not args.no_pool, ours_b=args.ours_b
+    )
     print(
         f"starting servers (logs in {log_dir}); vLLM takes minutes to start on 2 cores", flush=True
     )
@@ -598,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "log_dir": str(log_dir),
         "idle_pair_read_ms": idle_ms,
+        "ours_b": args.ours_b,
     }
     record(args.out_dir, stack, settings, samples, cells)
     return 0

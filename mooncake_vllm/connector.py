@@ -69,7 +69,6 @@ class MooncakeConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         settings = load_settings(ktc.kv_connector_extra_config)
         shorten_queue_spin(settings.vllm_busy_loop_s)
-        shorten_gil_switch_interval(settings.gil_switch_interval_s)
         self._cfg = resolve(
             settings,
             ktc.kv_role,
@@ -94,6 +93,7 @@ class MooncakeConnector(KVConnectorBase_V1):
 
             from mooncake_vllm.worker import WorkerHalf  # needs torch; workers only
 
+            shorten_gil_switch_interval(settings.gil_switch_interval_s)
             assert kv_cache_config is not None
             self._worker = WorkerHalf(
                 self._cfg,

@@ -14,7 +14,9 @@ after a pause pays ZeroMQ's (tens of microseconds).
 While such a reader spins, it drops the GIL at every yield but takes it straight back, so another
 Python thread of the process (a pull polling its transfer, the side channel answering an acquire)
 gets the GIL only when Python's switch interval (5 ms) forces a hand-over: up to 5 ms per poll or
-submit. The P2P connector lowers the interval in its processes (``gil_switch_interval_s``).
+submit. The P2P connector lowers the interval in its worker processes, where pulls run
+(``gil_switch_interval_s``). Not in the engine core: there, on 2 busy cores, forced hand-overs every
+0.2 ms gave the GIL to threads waiting for a CPU, and the side channel answered acquires later.
 """
 
 from __future__ import annotations

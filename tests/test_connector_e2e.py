@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 import uuid
 
@@ -66,6 +67,17 @@ def nothing_held(srv) -> bool:
     return srv.metric("mooncake_vllm:held_leases") == 0 and srv.metric(
         "vllm:kv_cache_usage_perc"
     ) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_vllms_spin_is_shortened_everywhere_and_the_gil_switch_interval_in_workers(pd):
+    """``vllm_busy_loop_s`` reaches the worker and the engine core, ``gil_switch_interval_s`` the
+    worker only (the engine core's threads keep Python's interval)."""
+    spin, gil = "spin 0.020 s after a message", "GIL switch interval in this process: 0.20 ms"
+    for srv in (pd.prefill, pd.decode):
+        log = srv.process.log_path.read_text(errors="replace")
+        for proc, said in (("Worker", spin), ("EngineCore", spin), ("Worker", gil)):
+            assert re.search(rf"\({proc}[^)]*\).*{re.escape(said)}", log), (srv.url, proc, said)
+        assert not re.search(rf"\(EngineCore[^)]*\).*{re.escape(gil)}", log), srv.url
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
