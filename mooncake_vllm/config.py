@@ -83,8 +83,8 @@ class MooncakeSettings(BaseModel):
     # null keeps vLLM's. See ``vllm_spin``. Not below 20 ms: at 0 a reader that misses a wake-up
     # waits for vLLM's 5 s recheck (measured: 32 tokens took 155 s); shorter is unmeasured.
     vllm_busy_loop_s: float | None = Field(0.02, ge=0.02, le=1)
-    # Python's switch interval in this engine's worker processes (Python: 5 ms); null keeps it. A pull
-    # thread waits up to this long for the GIL at each poll while vLLM's reader spins.
+    # Python's switch interval in this engine's worker processes (Python: 5 ms); null keeps it.
+    # A pull thread waits up to this long for the GIL at each poll while vLLM's reader spins.
     gil_switch_interval_s: float | None = Field(0.0002, gt=0, le=0.1)
 
     @field_validator("prefill_url", "decode_url")
