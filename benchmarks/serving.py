@@ -107,15 +107,12 @@ class Stack:
             decode_url=f"{OURS_D}:13012",
         )
         ours_env = {"MOONCAKE_CONFIG_PATH": str(cfg), **STATS_ENV}
+        prefill_args = [*common_args, *kv_args("kv_producer")]
+        decode_args = [*common_args, *kv_args("kv_consumer", kv_load_failure_policy="recompute")]
         specs = [
             ServerSpec("plain", "127.0.0.1", common_args, STATS_ENV),
-            ServerSpec("ours-prefill", OURS_P, [*common_args, *kv_args("kv_producer")], ours_env),
-            ServerSpec(
-                "ours-decode",
-                OURS_D,
-                [*common_args, *kv_args("kv_consumer", kv_load_failure_policy="recompute")],
-                ours_env,
-            ),
+            ServerSpec("ours-prefill", OURS_P, prefill_args, ours_env),
+            ServerSpec("ours-decode", OURS_D, decode_args, ours_env),
         ]
         if self.ours_b is not None:
             cfg_b = mooncake_json(
@@ -126,8 +123,8 @@ class Stack:
             )
             env_b = {"MOONCAKE_CONFIG_PATH": str(cfg_b), **STATS_ENV}
             specs += [
-                ServerSpec("ours_b-prefill", OURS_B_P, specs[1].args, env_b),
-                ServerSpec("ours_b-decode", OURS_B_D, specs[2].args, env_b),
+                ServerSpec("ours_b-prefill", OURS_B_P, prefill_args, env_b),
+                ServerSpec("ours_b-decode", OURS_B_D, decode_args, env_b),
             ]
         if self.with_pool:
             master = servers.start_mooncake_master(log_dir=self.log_dir)
@@ -159,24 +156,11 @@ class Stack:
         self.started += started
         self.vllm = {s.name: srv for s, srv in zip(specs, started, strict=True)}
         self.urls["plain"] = self.vllm["plain"].url
-        self.urls["ours"] = self._proxy(
-            "ours-proxy",
-            ["mooncake_vllm.proxy.server", "--prefill", self.vllm["ours-prefill"].url,
-             "--decode", self.vllm["ours-decode"].url, "--log-level", "warning"],
-        )  # fmt: skip
+        self.urls["ours"] = self._our_proxy("ours")
         if self.ours_b is not None:
-            self.urls["ours_b"] = self._proxy(
-                "ours_b-proxy",
-                ["mooncake_vllm.proxy.server", "--prefill", self.vllm["ours_b-prefill"].url,
-                 "--decode", self.vllm["ours_b-decode"].url, "--log-level", "warning"],
-            )  # fmt: skip
+            self.urls["ours_b"] = self._our_proxy("ours_b")
         if self.with_pool:
-            self.urls["pool"] = self._proxy(
-                "pool-proxy",
-                ["mooncake_vllm.proxy.server", "--mode", "pool", "--prefill",
-                 self.vllm["pool-prefill"].url, "--decode", self.vllm["pool-decode"].url,
-                 "--log-level", "warning"],
-            )  # fmt: skip
+            self.urls["pool"] = self._our_proxy("pool", "--mode", "pool")
         if self.with_builtin:
             self.urls["builtin"] = self._proxy(
                 "builtin-proxy",
@@ -223,6 +207,14 @@ class Stack:
         args = ["--max-model-len", str(MAX_MODEL_LEN), *self.model_args]
         args += ["--kv-transfer-config", json.dumps(cfg)]
         return ServerSpec(name, host, args, env)
+
+    def _our_proxy(self, setup: str, *flags: str) -> str:
+        """Our proxy in front of ``{setup}-prefill`` and ``{setup}-decode``."""
+        return self._proxy(
+            f"{setup}-proxy",
+            ["mooncake_vllm.proxy.server", *flags, "--prefill", self.vllm[f"{setup}-prefill"].url,
+             "--decode", self.vllm[f"{setup}-decode"].url, "--log-level", "warning"],
+        )  # fmt: skip
 
     def _proxy(self, name: str, argv: list[str]) -> str:
         port = servers.free_port()
