@@ -126,6 +126,11 @@ def client_session(total_timeout_s: float = 300.0) -> aiohttp.ClientSession:
     )
 
 
+def greedy_body(model: str, prompt, max_tokens: int, **kw: Any) -> dict[str, Any]:
+    """A /v1/completions body that decodes greedily (``temperature`` 0), plus ``kw``."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
 @dataclass
 class Answer:
     text: str

@@ -12,11 +12,13 @@ import random
 import re
 import time
 import uuid
+from functools import partial
 
 import pytest
 
 from harness.pd import (
     complete,
+    greedy_body,
     two_legs,
 )
 
@@ -39,8 +41,7 @@ def blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
-def body(model: str, prompt, **kw) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+body = partial(greedy_body, max_tokens=MAX_TOKENS)
 
 
 def prefill_body(model: str, prompt) -> dict:

@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from harness.pd import (
     PREFILL_HOST,
     ServerSpec,
     complete,
+    greedy_body,
     kv_args,
     start_many,
     two_legs,
@@ -106,8 +108,7 @@ def _prompt(seed: int, n: int = 300) -> list[int]:
     return [rng.randrange(3, 2048) for _ in range(n)]
 
 
-def _body(model: str, prompt) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+_body = partial(greedy_body, max_tokens=MAX_TOKENS)
 
 
 async def _handover(pd, pair: Pair, http, seed: int, strip_address: bool = False) -> bool:

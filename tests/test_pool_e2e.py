@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from functools import partial
 
 import pytest
 
@@ -19,6 +20,7 @@ from harness.pd import (
     ServerSpec,
     complete,
     eventually,
+    greedy_body,
     minimal_proxy,
     pool_args,
     pool_counter,
@@ -69,10 +71,8 @@ def prompts(seed: int, lengths=LENGTHS) -> list[list[int]]:
     return [[rng.randrange(3, 2048) for _ in range(n)] for n in lengths]
 
 
-def body(model: str, prompt, **kw) -> dict:
-    # ignore_eos: every answer is MAX_TOKENS long, so every one compares that many tokens.
-    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, **kw}  # fmt: skip
+# ignore_eos: every answer is MAX_TOKENS long, so every one compares that many tokens.
+body = partial(greedy_body, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 async def test_minimal_proxy_outputs_equal_plain_and_prompts_come_from_the_pool(pool, http):

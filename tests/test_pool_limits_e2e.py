@@ -7,6 +7,7 @@ plain server. (Its own module so that its servers never run beside ``test_pool_e
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 
@@ -14,6 +15,7 @@ from harness.pd import (
     ServerSpec,
     complete,
     eventually,
+    greedy_body,
     minimal_proxy,
     pool_args,
     pool_counter,
@@ -58,9 +60,7 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(3, 2048) for _ in range(n)] for n in lengths]
 
 
-def body(model: str, prompt, **kw) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, **kw}  # fmt: skip
+body = partial(greedy_body, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 async def test_a_full_pool_fails_or_evicts_puts_and_every_request_still_answers_right(

@@ -9,6 +9,7 @@ that block's latent page of every layer, nothing per head, and the byte counters
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 
@@ -16,6 +17,7 @@ from harness.pd import (
     ServerSpec,
     complete,
     eventually,
+    greedy_body,
     minimal_proxy,
     pool_args,
     pool_counter,
@@ -51,9 +53,7 @@ def mla_pool():
         srv.stop()
 
 
-def body(model: str, prompt, **kw) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, **kw}  # fmt: skip
+body = partial(greedy_body, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 async def test_mla_through_the_pool_equals_plain_one_latent_copy_per_block(mla_pool, http):
