@@ -11,6 +11,8 @@ from mooncake_vllm.config import MooncakeSettings
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.vllm_spin import shorten_gil_switch_interval, shorten_queue_spin
 
+POOL = dict(master_server_address="127.0.0.1:50051", metadata_server="http://h:8080/metadata")
+
 
 def _conditions(tmp_path):
     ctx = zmq.Context()
@@ -43,17 +45,15 @@ def test_null_keeps_vllms_spin(tmp_path):
 def test_both_connectors_default_to_a_short_spin_and_accept_null():
     assert MooncakeSettings().vllm_busy_loop_s == 0.02
     assert MooncakeSettings(vllm_busy_loop_s=None).vllm_busy_loop_s is None
-    pool = dict(master_server_address="127.0.0.1:50051", metadata_server="http://h:8080/metadata")
-    assert PoolSettings(**pool).vllm_busy_loop_s == 0.02
-    assert PoolSettings(**pool, vllm_busy_loop_s=None).vllm_busy_loop_s is None
+    assert PoolSettings(**POOL).vllm_busy_loop_s == 0.02
+    assert PoolSettings(**POOL, vllm_busy_loop_s=None).vllm_busy_loop_s is None
 
 
 def test_a_spin_too_short_for_vllms_wake_ups_is_refused_naming_the_field():
     with pytest.raises(ValidationError, match="vllm_busy_loop_s"):
         MooncakeSettings(vllm_busy_loop_s=0)
-    pool = dict(master_server_address="127.0.0.1:50051", metadata_server="http://h:8080/metadata")
     with pytest.raises(ValidationError, match="vllm_busy_loop_s"):
-        PoolSettings(**pool, vllm_busy_loop_s=0.001)
+        PoolSettings(**POOL, vllm_busy_loop_s=0.001)
 
 
 def test_the_gil_switch_interval_is_set_or_left_alone():
