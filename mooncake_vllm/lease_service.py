@@ -1,11 +1,11 @@
-"""The producer's leases and side channels, served from the engine-core process (scheduler half).
+"""The producer's leases, as the engine core's scheduler half sees them: a facade over the lease
+server process (``lease_server``), which owns the lease tables and serves the side channels.
 
-Why here and not in the workers: the engine core is where ``request_finished`` decides to hold a
-prompt's blocks, so the lease exists before the handoff leaves the process (an ``Acquire`` never
-waits for a step), and this process is idle while its workers compute, so acquires are answered
-in microseconds even when a worker is deep in a long prefill. The workers only register their KV
-memory (the layout reaches us through vLLM's handshake metadata) and report the requests whose
-leases ended as finished-sending, which frees the blocks (``MooncakeConnectorMetadata``).
+Why the engine core and not the workers: ``request_finished`` decides there to hold a prompt's
+blocks, and the hold reaches the lease server before the handoff leaves the process, so an
+``Acquire`` never waits for a step. The workers only register their KV memory (the layout reaches
+us through vLLM's handshake metadata) and report the requests whose leases ended as
+finished-sending, which frees the blocks (``MooncakeConnectorMetadata``).
 
 One side channel per TP rank. Per-head K/V is sharded by rank: one ``LeaseTable`` per rank,
 consumer rank r pulls rank r's shard and releases it, and a request's blocks are freed once every
@@ -13,79 +13,91 @@ rank's lease has ended. An MLA latent is replicated (every rank holds all of it)
 ranks, each consumer rank pulls the latent once from one producer rank
 (``planning.producer_rank_for``), and the request's blocks — on every producer rank — are freed
 when all consumer ranks have released it.
+
+Everything here runs on the engine core's scheduler thread: a hold is one write to the socket
+pair, and each step reads the lease server's reports without blocking.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from mooncake_vllm.config import ConnectorConfig
-from mooncake_vllm.leases import LeaseTable
-from mooncake_vllm.protocol import MemSegment
-from mooncake_vllm.side_channel import SideChannelServer
+from mooncake_vllm.lease_server import (
+    Ended,
+    Hold,
+    Layouts,
+    RankLayout,
+    Ready,
+    Start,
+    Stop,
+    encode,
+    report_decoder,
+)
+from mooncake_vllm.side_channel import SideChannelError
+
+__all__ = ["LeaseService", "RankLayout"]
 
 logger = logging.getLogger(__name__)
 
-# Test hook (tests/test_new_user_setup.py): freeze the producer's worker once the lease of a
-# transfer whose id starts with this prefix is granted, before the grant is sent (so no read can
-# beat the freeze), as a producer stopped mid-pull would. Unset: off.
-_FREEZE_PREFIX = os.environ.get("MOONCAKE_VLLM_TEST_FREEZE_AFTER_GRANT", "")
-
-
-@dataclass(frozen=True)
-class RankLayout:
-    """Where one producer rank's blocks are: its transfer-engine segment and memory layout."""
-
-    te_segment: str
-    segments: list[MemSegment]
-    worker_pid: int
-
-    @property
-    def bytes_per_block(self) -> int:
-        return sum(s.block_len for s in self.segments)
+# Python's start-up and the imports of zmq and msgspec take well under a second.
+_START_TIMEOUT_S = 30.0
 
 
 class LeaseService:
-    def __init__(
-        self, cfg: ConnectorConfig, on_end: Callable[[], None], kv_replicated: bool = False
-    ):
+    def __init__(self, cfg: ConnectorConfig, wake_endpoint: str, kv_replicated: bool = False):
         s = cfg.settings
         self._tp_size = cfg.tp_size
+        self._tables = 1 if kv_replicated else cfg.tp_size
+        # A pinned lease outlives the consumer's whole pull: its last attempt ends by the
+        # deadline plus one stall timeout.
+        self._pull_hold_s = s.load_timeout_s + s.stall_timeout_s + 5.0
         self._lock = threading.Lock()
-        self._ended_ranks: Counter[str] = Counter()  # req id -> tables whose lease ended
         self._layouts: dict[int, RankLayout] = {}
-        self._tables = [
-            LeaseTable(
-                ttl_s=s.lease_ttl_s,
-                budget_bytes=s.kv_buffer_size,
-                # A pinned lease outlives the consumer's whole pull: its last attempt ends by the
-                # deadline plus one stall timeout.
-                pull_hold_s=s.load_timeout_s + s.stall_timeout_s + 5.0,
-                on_end=on_end,
-            )
-            for _ in range(1 if kv_replicated else cfg.tp_size)
-        ]
-        # The table serving each rank's side channel (the one shared table when replicated).
-        self._table_of_rank = [self._tables[r % len(self._tables)] for r in range(cfg.tp_size)]
-        self._servers: list[SideChannelServer] = []
-        self._reported_dead = False
+        self._held_bytes: dict[str, int] = {}  # req id -> bytes held on all ranks
+        self._ended_tables: Counter[str] = Counter()  # req id -> tables whose lease ended
+        self._reasons: Counter[str] = Counter()
+        self._finished: set[str] = set()
+        self._gone_at: float | None = None  # when the lease server was found gone
+        self.addresses = [f"{cfg.host}:{cfg.side_channel_port(r)}" for r in range(cfg.tp_size)]
+
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "mooncake_vllm.lease_server",
+                 str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),),
+            )  # fmt: skip
+        self._conn = Connection(ours.detach())
+        start = Start(
+            host=cfg.host,
+            ports=[cfg.side_channel_port(r) for r in range(cfg.tp_size)],
+            tables=self._tables,
+            ttl_s=s.lease_ttl_s,
+            budget_bytes=s.kv_buffer_size,
+            pull_hold_s=self._pull_hold_s,
+            wake_endpoint=wake_endpoint,
+        )
         try:
-            for rank, table in enumerate(self._table_of_rank):
-                self._servers.append(
-                    SideChannelServer(
-                        cfg.host,
-                        cfg.side_channel_port(rank),
-                        table,
-                        layout=lambda r=rank: self._layout(r),
-                        on_grant=self._freeze_hook(rank) if _FREEZE_PREFIX else None,
-                    )
-                )
+            self._conn.send_bytes(encode(start))
+            if not self._conn.poll(_START_TIMEOUT_S):
+                raise RuntimeError(f"the lease server did not start in {_START_TIMEOUT_S:.0f}s")
+            ready = report_decoder.decode(self._conn.recv_bytes())
+            if not isinstance(ready, Ready):
+                raise RuntimeError(f"the lease server answered {type(ready).__name__}, not Ready")
+            if ready.error:
+                raise SideChannelError(ready.error)
+        except (EOFError, OSError) as e:
+            self.close()
+            raise RuntimeError(f"the lease server failed to start ({e}); see its log above") from e
         except BaseException:
             self.close()
             raise
@@ -95,66 +107,102 @@ class LeaseService:
         if missing:
             raise RuntimeError(f"no KV layout from producer worker rank(s) {sorted(missing)}")
         self._layouts = dict(layouts)
-
-    def _layout(self, rank: int) -> tuple[str, list[MemSegment]]:
-        layout = self._layouts[rank]
-        return layout.te_segment, layout.segments
-
-    @property
-    def addresses(self) -> list[str]:
-        return [srv.address for srv in self._servers]
+        self._send(Layouts([layouts[r] for r in range(self._tp_size)]))
 
     def hold(self, req_id: str, transfer_id: str, block_ids: list[int]) -> bool:
-        """Opens the lease on every rank; False (nothing held) if a side channel is down, since
+        """Opens the lease on every rank; False (nothing held) if the lease server is gone, since
         no consumer could pull it."""
-        dead = [srv.address for srv in self._servers if not srv.alive]
-        if dead:
-            if not self._reported_dead:
-                self._reported_dead = True
-                logger.error(
-                    "the side channel thread at %s has ended; finished prefills are no longer "
-                    "handed over (their decodes compute the prompt). Restart this vLLM",
-                    dead,
-                )
+        n = len(block_ids)
+        per_rank = [n * self._layouts[r].bytes_per_block for r in range(self._tp_size)]
+        hold = Hold(req_id, transfer_id, block_ids, table_bytes=per_rank[: self._tables])
+        if not (self._alive() and self._send(hold)):
             return False
-        for rank, table in enumerate(self._tables):  # a shared table: rank 0's bytes per rank
-            nbytes = len(block_ids) * self._layouts[rank].bytes_per_block
-            table.add(req_id, transfer_id, block_ids, nbytes)
+        with self._lock:
+            self._held_bytes[req_id] = sum(per_rank)
         return True
 
     def take_finished(self) -> set[str]:
         """Requests whose lease has ended in every table: their blocks can be freed."""
-        done = set()
+        self._read_reports()
         with self._lock:
-            for table in self._tables:
-                for req_id in table.take_finished():
-                    self._ended_ranks[req_id] += 1
-                    if self._ended_ranks[req_id] == len(self._tables):
-                        del self._ended_ranks[req_id]
-                        done.add(req_id)
-        return done
+            done, self._finished = self._finished, set()
+            if self._gone_at is not None and time.monotonic() >= self._gone_at + self._pull_hold_s:
+                # No lease server, no side channel: once every pull it granted has ended, the
+                # blocks it held are nobody's.
+                done |= set(self._held_bytes)
+                self._held_bytes.clear()
+            return done
 
     def take_ended_counts(self) -> dict[str, int]:
-        """Leases ended since the last call, by reason (counted on rank 0 only)."""
-        return self._tables[0].take_ended_counts()
+        """Leases ended since the last call, by reason (counted on rank 0's table only)."""
+        self._read_reports()
+        with self._lock:
+            out, self._reasons = dict(self._reasons), Counter()
+            return out
 
     @property
     def held_count(self) -> int:
-        return self._tables[0].held_count
+        self._read_reports()
+        return len(self._held_bytes)
 
     @property
     def held_bytes(self) -> int:
-        """KV bytes held on all ranks (a shared table's leases are held on every rank)."""
-        per_table_ranks = self._tp_size // len(self._tables)
-        return per_table_ranks * sum(table.held_bytes for table in self._tables)
+        """KV bytes held on all ranks."""
+        self._read_reports()
+        return sum(self._held_bytes.values())
 
-    def _freeze_hook(self, rank: int) -> Callable[[str], None]:
-        def freeze(transfer_id: str) -> None:
-            if transfer_id.startswith(_FREEZE_PREFIX):
-                os.kill(self._layouts[rank].worker_pid, signal.SIGSTOP)
+    def _read_reports(self) -> None:
+        with self._lock:
+            try:
+                while self._gone_at is None and self._conn.poll(0):
+                    report = report_decoder.decode(self._conn.recv_bytes())
+                    if isinstance(report, Ended):
+                        self._apply(report)
+            except (EOFError, OSError):
+                self._lost()
 
-        return freeze
+    def _apply(self, report: Ended) -> None:
+        self._reasons.update(report.reasons)
+        for req_ids in report.req_ids:
+            for req_id in req_ids:
+                self._ended_tables[req_id] += 1
+                if self._ended_tables[req_id] == self._tables:
+                    del self._ended_tables[req_id]
+                    self._held_bytes.pop(req_id, None)
+                    self._finished.add(req_id)
+
+    def _send(self, msg: Hold | Layouts | Stop) -> bool:
+        try:
+            self._conn.send_bytes(encode(msg))
+            return True
+        except OSError:
+            with self._lock:
+                self._lost()
+            return False
+
+    def _alive(self) -> bool:
+        if self._proc.poll() is not None:
+            with self._lock:
+                self._lost()
+        return self._gone_at is None
+
+    def _lost(self) -> None:
+        """Under the lock: the lease server has ended. Said once; its leases' blocks are freed
+        after the longest pull it could have granted (``take_finished``)."""
+        if self._gone_at is None:
+            self._gone_at = time.monotonic()
+            logger.error(
+                "the lease server (pid %d) has ended (exit code %s); finished prefills are no "
+                "longer handed over (their decodes compute the prompt). Restart this vLLM",
+                self._proc.pid, self._proc.poll(),
+            )  # fmt: skip
 
     def close(self) -> None:
-        for srv in self._servers:
-            srv.close()
+        if self._proc.poll() is None:
+            try:
+                self._conn.send_bytes(encode(Stop()))
+                self._proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._conn.close()

@@ -16,7 +16,7 @@ serves all producer ranks, and the first ``Acquire`` says how many consumer rank
 ends when all its readers have released it; until then it stays pinned (or expires at the pull
 deadline if a reader never comes).
 
-Thread-safe: the side-channel thread and the worker's step thread both use it.
+Used by the lease server's one thread (``lease_server``); locked all the same.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ class LeaseTable:
         pull_hold_s: float,
         clock: Callable[[], float] = time.monotonic,
         remember_ended: int = 8192,
-        on_end: Callable[[], None] = lambda: None,
     ):
         self._ttl_s = ttl_s
         self._budget_bytes = budget_bytes
@@ -70,8 +69,6 @@ class LeaseTable:
         self._remember_ended = remember_ended
         self._finished_req_ids: set[str] = set()
         self.ended_counts: dict[str, int] = {}
-        # Told (under the table's lock) when a lease ends: its blocks can be reported to vLLM.
-        self._on_end = on_end
 
     def add(self, req_id: str, transfer_id: str, block_ids: list[int], nbytes: int) -> None:
         with self._lock:
@@ -167,4 +164,3 @@ class LeaseTable:
             self._ended.popitem(last=False)
         self._finished_req_ids.add(lease.req_id)
         self.ended_counts[reason] = self.ended_counts.get(reason, 0) + 1
-        self._on_end()

@@ -138,11 +138,11 @@ class SchedulerHalf:
         self._pins: BlockPins | None = None
         self._engine_core = _find_engine_core()
         self._woken = threading.Event()  # a worker or a lease reported since the last rest
-        # Producer: leases and side channels live here, see lease_service.
+        # Producer: leases and side channels, in a process of their own (lease_service).
         self._leases: LeaseService | None = None
         if cfg.is_producer:
             self._leases = LeaseService(
-                cfg, on_end=self._wake_engine_core, kv_replicated=kv_replicated
+                cfg, wake_endpoint(cfg.host, cfg.base_port), kv_replicated=kv_replicated
             )
         self._waker: WakeForwarder | None = None
         if self._engine_core is not None:

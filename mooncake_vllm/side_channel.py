@@ -1,16 +1,14 @@
 """The side channel between a consumer worker and the producer engine, one per producer TP rank.
 
-ZeroMQ ROUTER on the producer (served from its engine-core process, see ``lease_service``), one
+ZeroMQ ROUTER on the producer (served by its lease server process, see ``lease_server``), one
 DEALER per peer on the consumer; frames from ``protocol``. The producer answers ``Acquire`` with
 the rank's memory layout (or a refusal) and ``Release`` with ``Released``. A lease exists before
-its handoff leaves the producer, so an unknown transfer id is refused at once. The thread sleeps
-in ``poll`` until a frame arrives or a lease expires: no periodic tick.
+its handoff leaves the producer, so an unknown transfer id is refused at once.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -19,12 +17,7 @@ import msgspec
 import zmq
 
 from mooncake_vllm.leases import Lease, LeaseTable
-from mooncake_vllm.os_threads import (
-    latency_critical_section,
-    latency_zmq_context,
-    make_latency_critical,
-    name_this_thread,
-)
+from mooncake_vllm.os_threads import latency_critical_section, latency_zmq_context
 from mooncake_vllm.protocol import (
     Acquire,
     Frame,
@@ -39,21 +32,18 @@ from mooncake_vllm.protocol import (
 
 logger = logging.getLogger(__name__)
 
-# A failing server loop logs at most this often (with the count), pausing between attempts.
-_ERROR_LOG_INTERVAL_S = 60.0
-_ERROR_PAUSE_S = 0.1
-# Measured (perf sched, 1900-token prompts at c=4 on 2 cores): at nice 0 the server thread waited
-# 11.7 ms on average and up to 168 ms for a CPU after each wake-up; at nice -10, 1.2 ms and 32 ms.
-# Real-time priority where allowed (see os_threads), this nice value otherwise.
-_SIDE_CHANNEL_NICE = -10
-
 
 class SideChannelError(RuntimeError):
     pass
 
 
 class SideChannelServer:
-    """Serves one producer TP rank's leases; runs in its own thread until ``close``."""
+    """Serves one producer TP rank's leases on a ROUTER socket. It has no thread of its own: the
+    lease server's loop (``lease_server``) polls ``sock`` and calls ``serve_ready``.
+
+    ``on_unknown``: called before an unknown transfer id is refused, to take in holds the engine
+    core has sent but the loop has not read yet (a hold is sent before its handoff leaves).
+    ``on_release``: called after a release, before the consumer hears of it."""
 
     def __init__(
         self,
@@ -61,63 +51,34 @@ class SideChannelServer:
         port: int,
         leases: LeaseTable,
         layout: Callable[[], tuple[str, list[MemSegment]]],
-        max_idle_s: float = 1.0,
+        *,
+        context: zmq.Context,
         on_grant: Callable[[str], None] | None = None,
+        on_unknown: Callable[[], None] = lambda: None,
+        on_release: Callable[[], None] = lambda: None,
     ):
         self._leases = leases
         self._layout = layout
         self._on_grant = on_grant
-        self._max_idle_s = max_idle_s
-        self._ctx = latency_zmq_context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._on_unknown = on_unknown
+        self._on_release = on_release
+        self.sock = context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
         try:
-            self._sock.bind(f"tcp://{host}:{port}")
+            self.sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
-            self._sock.close()
-            self._ctx.term()
+            self.sock.close()
             raise SideChannelError(
                 f"side channel cannot bind {host}:{port} ({e}); is another engine using this "
                 "port? Set prefill_url/decode_url ports apart"
             ) from e
         self.address = f"{host}:{port}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mooncake-side-channel", daemon=True)
-        self._thread.start()
 
-    def _poll_timeout_ms(self) -> int:
-        """Sleep until a frame arrives or the next lease expires (at most ``max_idle_s``, so
-        ``close`` is seen). No periodic tick otherwise."""
-        now = time.monotonic()
-        until = now + self._max_idle_s
-        if (lease_deadline := self._leases.next_deadline_s()) is not None:
-            until = min(until, lease_deadline)
-        return max(1, int(1000 * (until - now)) + 1)
-
-    def _run(self) -> None:
-        name_this_thread("mc-sidechannel")
-        priority = make_latency_critical(_SIDE_CHANNEL_NICE)
-        logger.debug("side channel %s thread priority: %s", self.address, priority)
-        errors, logged_at = 0, -math.inf  # consecutive errors; when the last was logged
-        while not self._stop.is_set():
-            try:
-                if self._sock.poll(self._poll_timeout_ms()):
-                    while self._sock.poll(0):
-                        identity, payload = self._sock.recv_multipart()[:2]
-                        self._handle(identity, payload)
-                self._leases.expire()
-                if errors:
-                    logger.info("side channel %s recovered after %d errors", self.address, errors)
-                errors = 0
-            except Exception:  # the engine must outlive any bad frame or peer
-                errors += 1
-                if time.monotonic() - logged_at >= _ERROR_LOG_INTERVAL_S:
-                    logged_at = time.monotonic()
-                    logger.exception("side channel %s error (%d in a row; continuing)",
-                                     self.address, errors)  # fmt: skip
-                self._stop.wait(_ERROR_PAUSE_S)  # a persistent error must not spin
-        self._sock.close()
-        self._ctx.term()
+    def serve_ready(self) -> None:
+        """Answers every frame that has arrived; never blocks."""
+        while self.sock.poll(0):
+            identity, payload = self.sock.recv_multipart()[:2]
+            self._handle(identity, payload)
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         try:
@@ -129,12 +90,19 @@ class SideChannelServer:
             self._answer_acquire(identity, frame)
         elif isinstance(frame, Release):
             self._leases.release(frame.transfer_id, frame.ok)
+            self._on_release()
             self._send(identity, Released(frame.transfer_id))
         else:
             logger.warning("dropping unexpected side-channel frame %s", type(frame).__name__)
 
+    def _acquire(self, frame: Acquire) -> Lease | str | None:
+        return self._leases.acquire(frame.transfer_id, frame.remote_block_ids, frame.readers)
+
     def _answer_acquire(self, identity: bytes, frame: Acquire) -> None:
-        got = self._leases.acquire(frame.transfer_id, frame.remote_block_ids, frame.readers)
+        got = self._acquire(frame)
+        if got is None:
+            self._on_unknown()
+            got = self._acquire(frame)
         if isinstance(got, Lease):
             segment, segments = self._layout()
             if self._on_grant is not None:
@@ -145,15 +113,10 @@ class SideChannelServer:
             self._send(identity, Refused(frame.transfer_id, reason))
 
     def _send(self, identity: bytes, frame: Frame) -> None:
-        self._sock.send_multipart([identity, encode_frame(frame)])
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        self.sock.send_multipart([identity, encode_frame(frame)])
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self.sock.close()
 
 
 class SideChannelClient:
