@@ -1,6 +1,7 @@
 """What disaggregation costs a client: plain vLLM vs our 1P1D (P2P, pool) vs vLLM's built-in 1P1D.
 
     python -m benchmarks.serving [--full] [--out-dir DIR] [--no-builtin] [--no-pool] [--mla]
+                                 [--ours-b JSON] [--ours-b-src DIR]
 
 Four setups of the tiny local model (``--mla``: the tiny DeepSeek-V2-style MLA model, served
 with ``--attention-backend CPU_MLA``; results then go to ``serving_mla.json``/``.png``) on this
@@ -78,9 +79,11 @@ class Stack:
         spec: TinyModelSpec | TinyMLASpec,
         with_pool: bool = False,
         ours_b: dict | None = None,
+        ours_b_src: Path | None = None,
     ):
         self.with_builtin, self.with_pool = with_builtin, with_pool
         self.ours_b = ours_b  # settings of a second P2P pair measured beside ours (an A/B)
+        self.ours_b_src = ours_b_src  # another checkout that pair runs mooncake_vllm from
         self.workdir, self.log_dir = workdir, log_dir
         self.spec = spec
         self.model_args = MLA_CPU_ARGS if isinstance(spec, TinyMLASpec) else []
@@ -122,6 +125,8 @@ class Stack:
                 **self.ours_b,
             )
             env_b = {"MOONCAKE_CONFIG_PATH": str(cfg_b), **STATS_ENV}
+            if self.ours_b_src is not None:  # before the editable install on sys.path
+                env_b["PYTHONPATH"] = str(self.ours_b_src)
             specs += [
                 ServerSpec("ours_b-prefill", OURS_B_P, prefill_args, env_b),
                 ServerSpec("ours_b-decode", OURS_B_D, decode_args, env_b),
@@ -549,6 +554,7 @@ def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: li
         notes.append(
             f"ours_b: a second P2P pair ({OURS_B_P}, {OURS_B_D}) whose mooncake.json adds "
             f"{json.dumps(stack.ours_b)}, measured interleaved with ours"
+            + (f"; it runs mooncake_vllm from {stack.ours_b_src}" if stack.ours_b_src else "")
         )
     if stack.with_pool:
         notes.append(
@@ -597,7 +603,19 @@ def main(argv: list[str] | None = None) -> int:
         "interleaved with ours, e.g. '{\"gil_switch_interval_s\": null}' (with --no-pool: "
         "seven vLLMs fit in 24 GiB)",
     )
+    ap.add_argument(
+        "--ours-b-src",
+        type=lambda p: Path(p).resolve(),
+        default=None,
+        metavar="DIR",
+        help="an A/B of code: the second P2P pair runs mooncake_vllm from this checkout (e.g. a "
+        "git worktree of the commit before a change); implies --ours-b '{}' if not given",
+    )
     args = ap.parse_args(argv)
+    if args.ours_b_src is not None:
+        if not (args.ours_b_src / "mooncake_vllm").is_dir():
+            ap.error(f"--ours-b-src {args.ours_b_src}: no mooncake_vllm package there")
+        args.ours_b = {} if args.ours_b is None else args.ours_b
     lengths = args.lengths or ([256, 1024, 2048] if args.full else [256, 1024])
     requests = args.requests or (24 if args.full else 8)
     rounds = args.rounds or (4 if args.full else 2)
@@ -605,7 +623,13 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = workdir / "logs"
     spec = TinyMLASpec() if args.mla else TinyModelSpec()
     stack = Stack(
-        not args.no_builtin, workdir, log_dir, spec, with_pool=not args.no_pool, ours_b=args.ours_b
+        not args.no_builtin,
+        workdir,
+        log_dir,
+        spec,
+        with_pool=not args.no_pool,
+        ours_b=args.ours_b,
+        ours_b_src=args.ours_b_src,
     )
     print(
         f"starting servers (logs in {log_dir}); vLLM takes minutes to start on 2 cores", flush=True
@@ -632,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         "log_dir": str(log_dir),
         "idle_pair_read_ms": idle_ms,
         "ours_b": args.ours_b,
+        "ours_b_src": str(args.ours_b_src) if args.ours_b_src else None,
     }
     record(args.out_dir, stack, settings, samples, cells)
     return 0
