@@ -125,11 +125,10 @@ class Stack:
                 **self.ours_b,
             )
             env_b = {"MOONCAKE_CONFIG_PATH": str(cfg_b), **STATS_ENV}
-            if self.ours_b_src is not None:  # before the editable install on sys.path
-                env_b["PYTHONPATH"] = str(self.ours_b_src)
+            src = self.ours_b_src
             specs += [
-                ServerSpec("ours_b-prefill", OURS_B_P, prefill_args, env_b),
-                ServerSpec("ours_b-decode", OURS_B_D, decode_args, env_b),
+                ServerSpec("ours_b-prefill", OURS_B_P, prefill_args, env_b, cwd=src),
+                ServerSpec("ours_b-decode", OURS_B_D, decode_args, env_b, cwd=src),
             ]
         if self.with_pool:
             master = servers.start_mooncake_master(log_dir=self.log_dir)

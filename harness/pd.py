@@ -69,6 +69,7 @@ class ServerSpec:
     args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     model: str | None = None  # another model than ``start_many``'s
+    cwd: Path | None = None  # where ``python -m`` starts: its first sys.path entry
 
 
 def start_many(
@@ -89,6 +90,7 @@ def start_many(
                 env=s.env,
                 timeout_s=timeout_s,
                 log_dir=log_dir,
+                cwd=s.cwd,
             )
             for s in specs
         ]

@@ -48,6 +48,7 @@ class ManagedProcess:
     argv: Sequence[str]
     log_path: Path
     env: Mapping[str, str] | None = None
+    cwd: Path | None = None
     proc: subprocess.Popen | None = field(default=None, init=False)
 
     def start(self) -> ManagedProcess:
@@ -60,6 +61,7 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=dict(self.env) if self.env is not None else None,
+                cwd=self.cwd,
                 start_new_session=True,  # own process group: stop() reaches every descendant
             )
         finally:
@@ -262,8 +264,12 @@ def start_vllm(
     max_model_len: int = 2048,
     log_dir: Path | None = None,
     timeout_s: float = 300.0,
+    cwd: Path | None = None,
 ) -> VllmServer:
-    """Start ``python -m vllm.entrypoints.openai.api_server`` and wait for ``/health``."""
+    """Start ``python -m vllm.entrypoints.openai.api_server`` and wait for ``/health``.
+
+    ``cwd``: ``python -m`` puts it first on ``sys.path``, so a checkout there is the one whose
+    ``mooncake_vllm`` the server imports (an A/B of code, ``benchmarks.serving --ours-b-src``)."""
     port = port or free_port(host)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -277,7 +283,7 @@ def start_vllm(
         *args,
     ]  # fmt: skip
     log = (log_dir or default_log_dir()) / f"{name}-{host}-{port}.log"
-    proc = ManagedProcess(name, argv, log, vllm_env(kv_cache_gib, env)).start()
+    proc = ManagedProcess(name, argv, log, vllm_env(kv_cache_gib, env), cwd).start()
     server = VllmServer(proc, host, port, str(model))
     proc.wait_until(lambda: _http_ok(f"{server.url}/health"), timeout_s, "healthy")
     return server
