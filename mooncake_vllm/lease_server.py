@@ -1,11 +1,12 @@
 """The producer's leases and side channels, in a small process of their own (the lease server).
 
-Why a process: an acquire must be answered within a millisecond, and in the engine-core process
-every step of the side-channel thread (wake from ``poll``, read, answer) waited for the GIL behind
-vLLM's scheduler thread, up to the 5 ms switch interval each time; a burst of acquires at c=4 then
-waited 10–35 ms. Here the loop has a GIL, and (where allowed) a real-time priority, of its own.
+Why a process: an acquire must be answered within a millisecond. In the engine-core process the
+side-channel thread needed the GIL to wake, read and answer, and vLLM's scheduler thread holds it
+(a forced hand-over comes only every 5 ms); the decode's acquire p99 there reached the 20–100 ms
+buckets under load. Here the loop has a GIL, and (where allowed) a real-time priority, of its
+own (the A/B is in the README's "How a request flows").
 
-The engine core (``lease_service``) starts it with ``python -m mooncake_vllm.lease_server FD``
+The engine core (``lease_service``) starts it with ``python -m mooncake_vllm.lease_server FD PID``
 and speaks to it over a socket pair: ``Start``, ``Layouts``, ``Hold`` and ``Stop`` in, ``Ready``
 and ``Ended`` out. Ordering is what keeps "an acquire never waits for a step" true: the engine
 core writes a ``Hold`` before the handoff leaves its process, so by the time a consumer's
