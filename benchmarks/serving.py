@@ -420,6 +420,9 @@ def sweep(
                         delta["acquire_p99_s"] = servers.histogram_quantile(
                             b["acquire_buckets"], a["acquire_buckets"], 0.99
                         )
+                        delta["acquires_over_5ms"] = servers.histogram_count_above(
+                            b["acquire_buckets"], a["acquire_buckets"], 0.005
+                        )
                     cells.append(
                         {"config": c, "prompt_tokens": length, "concurrency": conc,
                          "kind": "kv_counters", **delta}
@@ -475,12 +478,14 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
                 "failed": float("nan"),
                 "retries": float("nan"),
                 "acq_p99_ms": float("nan"),
+                "acq>5ms": float("nan"),
             }
             if kv and "failures" in kv:  # ours and pool: failed loads (recomputed), retries
                 row["failed"] = kv["failures"]
                 row["retries"] = kv["retries"]
             if kv and "acquire_p99_s" in kv:
                 row["acq_p99_ms"] = 1000 * kv["acquire_p99_s"]
+                row["acq>5ms"] = kv["acquires_over_5ms"]
             if kv and kv["transfers"] > 0:
                 row["kv_ms/req"] = kv["seconds"] * 1000 / kv["transfers"]
                 row["kv_MB/req"] = kv["bytes"] / 1e6 / kv["transfers"]

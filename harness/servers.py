@@ -225,6 +225,19 @@ def histogram_quantile(before: dict[float, float], after: dict[float, float], q:
     return next(le for le, n in delta if n >= q * total)
 
 
+def histogram_count_above(
+    before: dict[float, float], after: dict[float, float], bound: float
+) -> float:
+    """How many observations made between two ``VllmServer.histogram`` readings exceeded
+    ``bound``, which must be one of the histogram's bucket bounds (nan if none was read)."""
+    if not after:
+        return float("nan")
+    if bound not in after:
+        raise ValueError(f"{bound} is not a bucket bound of this histogram ({sorted(after)})")
+    total = after[max(after)] - before.get(max(after), 0.0)
+    return total - (after[bound] - before.get(bound, 0.0))
+
+
 def default_log_dir() -> Path:
     return Path(os.environ.get("MOONCAKE_VLLM_LOG_DIR", tempfile.gettempdir())) / "mooncake-vllm"
 
