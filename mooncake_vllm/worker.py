@@ -72,9 +72,10 @@ _PULL_NICE = -10  # where real-time priority is not allowed (os_threads)
 
 def _init_pull_thread() -> None:
     """A pull thread is latency-critical for its whole life, not only for its side-channel round
-    trip: traced at 1024-2048 tokens, c=4 (2026-11-25), an acquire whose reply had arrived took
-    9.9 ms more to return once the thread dropped back to normal priority, behind vLLM's
-    busy-waiting threads. It sleeps between polls, so the priority costs nothing while idle."""
+    trip: traced at 1024-2048 tokens, c=4 (2026-11-25), 4 of 131 acquires whose reply had arrived
+    took 9.9-22.6 ms more to return once the thread dropped back to normal priority, behind
+    vLLM's busy-waiting threads (A/B in the README: 0 of 64 acquires over 5 ms at 2048/c=4
+    against 4). It sleeps between polls, so the priority costs nothing while idle."""
     name_this_thread("mc-pull")
     make_latency_critical(_PULL_NICE)
 
