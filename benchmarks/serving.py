@@ -354,14 +354,39 @@ def builtin_counters(stack: Stack) -> dict:
     return {"transfers": n, "seconds": secs, "bytes": nbytes}
 
 
+def leg_counters(stack: Stack, first: str, second: str | None) -> dict:
+    """Server-side time of each leg so far, from vLLM's own histograms (sums and counts): the
+    first server's whole request (plain alone: its TTFT), the second server's TTFT (a decode's
+    arrival to first token, its KV load included)."""
+    one = stack.vllm[first]
+    metric = "vllm:time_to_first_token_seconds" if second is None else (
+        "vllm:e2e_request_latency_seconds"
+    )  # fmt: skip
+    out = {"leg1_s": one.metric(f"{metric}_sum"), "leg1_n": one.metric(f"{metric}_count")}
+    if second is not None:
+        two = stack.vllm[second]
+        out["leg2_s"] = two.metric("vllm:time_to_first_token_seconds_sum")
+        out["leg2_n"] = two.metric("vllm:time_to_first_token_seconds_count")
+    return out
+
+
 def counters(stack: Stack) -> dict[str, dict]:
-    out = {"ours": ours_counters(stack)}
+    out = {
+        "plain": leg_counters(stack, "plain", None),
+        "ours": {**ours_counters(stack), **leg_counters(stack, "ours-prefill", "ours-decode")},
+    }
     if stack.ours_b is not None:
-        out["ours_b"] = ours_counters(stack, "ours_b-decode")
+        out["ours_b"] = {
+            **ours_counters(stack, "ours_b-decode"),
+            **leg_counters(stack, "ours_b-prefill", "ours_b-decode"),
+        }
     if stack.with_pool:
-        out["pool"] = pool_counters(stack)
+        out["pool"] = {**pool_counters(stack), **leg_counters(stack, "pool-prefill", "pool-decode")}
     if stack.with_builtin:
-        out["builtin"] = builtin_counters(stack)
+        out["builtin"] = {
+            **builtin_counters(stack),
+            **leg_counters(stack, "builtin-prefill", "builtin-decode"),
+        }
     return out
 
 
@@ -479,14 +504,21 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
                 "retries": float("nan"),
                 "acq_p99_ms": float("nan"),
                 "acq>5ms": float("nan"),
+                "leg1_ms": float("nan"),
+                "leg2_ms": float("nan"),
             }
+            # Server-side means: where the TTFT goes (the rest is the proxy and HTTP).
+            if kv and kv.get("leg1_n"):
+                row["leg1_ms"] = 1000 * kv["leg1_s"] / kv["leg1_n"]
+            if kv and kv.get("leg2_n"):
+                row["leg2_ms"] = 1000 * kv["leg2_s"] / kv["leg2_n"]
             if kv and "failures" in kv:  # ours and pool: failed loads (recomputed), retries
                 row["failed"] = kv["failures"]
                 row["retries"] = kv["retries"]
             if kv and "acquire_p99_s" in kv:
                 row["acq_p99_ms"] = 1000 * kv["acquire_p99_s"]
                 row["acq>5ms"] = kv["acquires_over_5ms"]
-            if kv and kv["transfers"] > 0:
+            if kv and kv.get("transfers", 0) > 0:
                 row["kv_ms/req"] = kv["seconds"] * 1000 / kv["transfers"]
                 row["kv_MB/req"] = kv["bytes"] / 1e6 / kv["transfers"]
                 # Whole blocks move: the last one may be partly filled.
@@ -552,6 +584,11 @@ def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: li
         f"{model_label} {stack.spec.name}: {stack.spec.kv_bytes_per_token} B of KV per token"
         + (f"; server flags {' '.join(MLA_CPU_ARGS)} (block size 16)" if mla else ""),
     ]
+    notes.append(
+        "leg1_ms/leg2_ms: server-side means from vLLM's own histograms; plain: its TTFT; a pair: "
+        "its prefill's whole request (max_tokens=1) and its decode's TTFT (arrival to first "
+        "token, the KV load included); the rest of a TTFT is the proxy and HTTP"
+    )
     if stack.with_builtin:
         notes.append(WORKAROUND_NOTE)
     if stack.ours_b is not None:
