@@ -367,21 +367,46 @@ def leg_counters(stack: Stack, first: str, second: str | None) -> dict:
         two = stack.vllm[second]
         out["leg2_s"] = two.metric("vllm:time_to_first_token_seconds_sum")
         out["leg2_n"] = two.metric("vllm:time_to_first_token_seconds_count")
+        # The decode's engine core: queued to scheduled (the KV load is in it), then scheduled
+        # to first token (computing the prompt's rest); both counted when a request finishes.
+        for key, name in (("q2", "queue_time"), ("pf2", "prefill_time")):
+            out[f"{key}_s"] = two.metric(f"vllm:request_{name}_seconds_sum")
+            out[f"{key}_n"] = two.metric(f"vllm:request_{name}_seconds_count")
+    return out
+
+
+def proxy_counters(stack: Stack, setup: str) -> dict:
+    """Our proxy's view of the same so far (sums and counts): sending the prefill request to
+    having its whole answer; the client's request arriving to the decode answer's first byte."""
+    totals = servers.metric_totals(f"{stack.urls[setup]}/metrics")
+    out = {}
+    for key, name in (("px1", "prefill_seconds"), ("pxf", "time_to_first_decode_byte_seconds")):
+        out[f"{key}_s"] = totals.get(f"mooncake_proxy_{name}_sum", 0.0)
+        out[f"{key}_n"] = totals.get(f"mooncake_proxy_{name}_count", 0.0)
     return out
 
 
 def counters(stack: Stack) -> dict[str, dict]:
     out = {
         "plain": leg_counters(stack, "plain", None),
-        "ours": {**ours_counters(stack), **leg_counters(stack, "ours-prefill", "ours-decode")},
+        "ours": {
+            **ours_counters(stack),
+            **leg_counters(stack, "ours-prefill", "ours-decode"),
+            **proxy_counters(stack, "ours"),
+        },
     }
     if stack.ours_b is not None:
         out["ours_b"] = {
             **ours_counters(stack, "ours_b-decode"),
             **leg_counters(stack, "ours_b-prefill", "ours_b-decode"),
+            **proxy_counters(stack, "ours_b"),
         }
     if stack.with_pool:
-        out["pool"] = {**pool_counters(stack), **leg_counters(stack, "pool-prefill", "pool-decode")}
+        out["pool"] = {
+            **pool_counters(stack),
+            **leg_counters(stack, "pool-prefill", "pool-decode"),
+            **proxy_counters(stack, "pool"),
+        }
     if stack.with_builtin:
         out["builtin"] = {
             **builtin_counters(stack),
@@ -506,12 +531,17 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
                 "acq>5ms": float("nan"),
                 "leg1_ms": float("nan"),
                 "leg2_ms": float("nan"),
+                "q2_ms": float("nan"),
+                "pf2_ms": float("nan"),
+                "px1_ms": float("nan"),
+                "pxf_ms": float("nan"),
             }
             # Server-side means: where the TTFT goes (the rest is the proxy and HTTP).
             if kv and kv.get("leg1_n"):
                 row["leg1_ms"] = 1000 * kv["leg1_s"] / kv["leg1_n"]
-            if kv and kv.get("leg2_n"):
-                row["leg2_ms"] = 1000 * kv["leg2_s"] / kv["leg2_n"]
+            for key in ("leg2", "q2", "pf2", "px1", "pxf"):
+                if kv and kv.get(f"{key}_n"):
+                    row[f"{key}_ms"] = 1000 * kv[f"{key}_s"] / kv[f"{key}_n"]
             if kv and "failures" in kv:  # ours and pool: failed loads (recomputed), retries
                 row["failed"] = kv["failures"]
                 row["retries"] = kv["retries"]
@@ -587,7 +617,10 @@ def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: li
     notes.append(
         "leg1_ms/leg2_ms: server-side means from vLLM's own histograms; plain: its TTFT; a pair: "
         "its prefill's whole request (max_tokens=1) and its decode's TTFT (arrival to first "
-        "token, the KV load included); the rest of a TTFT is the proxy and HTTP"
+        "token, the KV load included); the rest of a TTFT is the proxy and HTTP; q2_ms/pf2_ms: "
+        "the decode engine core's queue time (arrival to scheduled, the KV load included) and "
+        "prefill time (scheduled to first token); px1_ms/pxf_ms: our proxy's means, sending the "
+        "prefill request to having its answer, and the client's request to decode's first byte"
     )
     if stack.with_builtin:
         notes.append(WORKAROUND_NOTE)

@@ -169,6 +169,18 @@ def http_text(url: str, timeout_s: float = 10.0) -> str:
         return resp.read().decode()
 
 
+def metric_totals(url: str) -> dict[str, float]:
+    """A Prometheus endpoint's samples summed over labels, by sample name (prometheus_client's
+    parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(http_text(url)):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
 @dataclass(eq=False)
 class VllmServer:
     process: ManagedProcess
@@ -189,10 +201,7 @@ class VllmServer:
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus samples summed over labels, by sample name."""
-        out: dict[str, float] = {}
-        for sample in self._samples():
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-        return out
+        return metric_totals(f"{self.url}/metrics")
 
     def metric(self, name: str, **labels: str) -> float:
         """One Prometheus sample summed over the series whose labels include ``labels``."""

@@ -76,6 +76,9 @@ def test_serving_benchmark_on_the_shared_cluster(pd, tmp_path, capsys):
     assert {r["config"] for r in doc["rows"]} == {"plain", "ours"}
     ours = next(r for r in doc["rows"] if r["config"] == "ours")
     assert ours["kv_ms/req"] == ours["kv_ms/req"]  # not NaN: the decode pulled the prompt
+    # Where its TTFT went: the decode's vLLM histograms and the proxy's own, all counted.
+    assert all(ours[k] == ours[k] for k in ("leg2_ms", "q2_ms", "pf2_ms", "px1_ms", "pxf_ms"))
+    assert ours["pxf_ms"] > ours["px1_ms"] > 0  # the decode's first byte follows the prefill leg
 
 
 @pytest.mark.servers
