@@ -2,7 +2,8 @@
 apart), P2P handshake over TCP, vLLM's default ``kv_load_failure_policy`` (``fail``: a failed pull
 is an error for the client), a plain vLLM with default flags beside the pair (its worker busy-waits
 after every request), a model of another shape than the suite's (3 layers, 3 KV heads × 32), and
-requests through ``python proxy/proxy_server.py`` at concurrency 8, streamed and not.
+requests through ``python proxy/proxy_server.py`` at concurrency 8, streamed and not; the same
+requests again with prefill and decode on two addresses.
 
 A handover is proven by token equality with the plain server *and* by the decode's counters: the
 prompt tokens arrived by external transfer, and no pull failed (a recompute would hide one).
@@ -11,6 +12,7 @@ prompt tokens arrived by external transfer, and no pull failed (a recompute woul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -44,15 +46,13 @@ class NewUser:
         self.proxy = proxy_url
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    model = str(build_tiny_model(spec=MODEL_SPEC))
-    cfg = tmp_path_factory.mktemp("new-user") / "mooncake.json"
-    cfg.write_text(
+def _pair_specs(cfg_path: Path, prefill_host: str, decode_host: str, tag: str, **prefill_env):
+    """The README's minimal pair: one mooncake.json, P2P handshake over TCP, default policy."""
+    cfg_path.write_text(
         json.dumps(
             {
-                "prefill_url": f"{HOST}:14100",
-                "decode_url": f"{HOST}:14200",
+                "prefill_url": f"{prefill_host}:14100",
+                "decode_url": f"{decode_host}:14200",
                 "metadata_server": "P2PHANDSHAKE",
                 "protocol": "tcp",
                 "device_name": "",
@@ -60,41 +60,71 @@ def setup(tmp_path_factory):
             }
         )
     )
-    env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
-    specs = [
-        ServerSpec("plain-default", HOST),
-        ServerSpec(
-            "prefill-1host",
-            HOST,
-            kv_args("kv_producer"),
-            {**env, "MOONCAKE_VLLM_TEST_FREEZE_AFTER_GRANT": FREEZE_PREFIX},
-        ),
-        ServerSpec("decode-1host", HOST, kv_args("kv_consumer"), env),
+    env = {"MOONCAKE_CONFIG_PATH": str(cfg_path)}
+    return [
+        ServerSpec(f"prefill-{tag}", prefill_host, kv_args("kv_producer"), {**env, **prefill_env}),
+        ServerSpec(f"decode-{tag}", decode_host, kv_args("kv_consumer"), env),
     ]
-    plain, prefill, decode = start_many(model, specs)
+
+
+@contextlib.contextmanager
+def _proxy(prefill, decode, tag: str):
+    """``python proxy/proxy_server.py`` in front of the pair; yields its URL."""
     port = servers.free_port()
     proxy = servers.ManagedProcess(
-        "proxy-1host",
+        f"proxy-{tag}",
         [sys.executable, str(REPO / "proxy" / "proxy_server.py"),
          "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)],
-        servers.default_log_dir() / f"proxy-1host-{port}.log",
+        servers.default_log_dir() / f"proxy-{tag}-{port}.log",
     ).start()  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    started = [plain, prefill, decode]
     try:
         proxy.wait_until(lambda: servers.http_text(f"{url}/health") != "", 60, "healthy")
-        yield NewUser(model, plain, prefill, decode, url)
+        yield url
     finally:
         proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = str(build_tiny_model(spec=MODEL_SPEC))
+    cfg = tmp_path_factory.mktemp("new-user") / "mooncake.json"
+    specs = [
+        ServerSpec("plain-default", HOST),
+        *_pair_specs(cfg, HOST, HOST, "1host", MOONCAKE_VLLM_TEST_FREEZE_AFTER_GRANT=FREEZE_PREFIX),
+    ]
+    started = start_many(model, specs)
+    plain, prefill, decode = started
+    try:
+        with _proxy(prefill, decode, "1host") as url:
+            yield NewUser(model, plain, prefill, decode, url)
+    finally:
         for srv in reversed(started):
             srv.stop()
 
 
 @pytest.fixture
-def show_logs(setup, request):
+def two_hosts(setup, tmp_path):
+    """The same on two addresses (prefill 127.0.0.2, decode 127.0.0.3), beside the same plain
+    server; the one-address pair stays up, idle."""
+    specs = _pair_specs(tmp_path / "mooncake.json", "127.0.0.2", "127.0.0.3", "2hosts")
+    started = start_many(setup.model, specs)
+    prefill, decode = started
+    try:
+        with _proxy(prefill, decode, "2hosts") as url:
+            yield NewUser(setup.model, setup.plain, prefill, decode, url)
+    finally:
+        for srv in reversed(started):
+            srv.stop()
+
+
+@pytest.fixture
+def show_logs(request):
     yield
     if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-        for srv in (setup.prefill, setup.decode):
+        name = "two_hosts" if "two_hosts" in request.fixturenames else "setup"
+        pair = request.getfixturevalue(name)
+        for srv in (pair.prefill, pair.decode):
             print(f"\n===== log of {srv.process.name} =====\n{srv.process.log_tail(40_000)}")
 
 
@@ -105,6 +135,17 @@ def nothing_held(srv) -> bool:
 
 
 async def test_concurrent_requests_through_the_proxy_all_arrive_by_transfer(setup, show_logs):
+    await _two_hundred_requests(setup)
+
+
+async def test_the_same_with_prefill_and_decode_on_two_addresses(two_hosts, show_logs):
+    await _two_hundred_requests(two_hosts)
+
+
+async def _two_hundred_requests(setup: NewUser) -> None:
+    """200 mixed-length requests at concurrency 8 through the proxy, streamed and not, each
+    beside the same request to the plain server: all answered, token-equal, every prompt pulled
+    (no failed pull, >= 95 % of prompt tokens by transfer), nothing held afterwards."""
     rng = random.Random(2026)
     # Mixed: half short (1-199 tokens), half long (200-1499).
     lengths = [rng.randrange(1, 200) if i % 2 else rng.randrange(200, 1500) for i in range(200)]
