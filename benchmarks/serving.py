@@ -358,20 +358,28 @@ def leg_counters(stack: Stack, first: str, second: str | None) -> dict:
     """Server-side time of each leg so far, from vLLM's own histograms (sums and counts): the
     first server's whole request (plain alone: its TTFT), the second server's TTFT (a decode's
     arrival to first token, its KV load included)."""
-    one = stack.vllm[first]
-    metric = "vllm:time_to_first_token_seconds" if second is None else (
-        "vllm:e2e_request_latency_seconds"
-    )  # fmt: skip
-    out = {"leg1_s": one.metric(f"{metric}_sum"), "leg1_n": one.metric(f"{metric}_count")}
-    if second is not None:
-        two = stack.vllm[second]
-        out["leg2_s"] = two.metric("vllm:time_to_first_token_seconds_sum")
-        out["leg2_n"] = two.metric("vllm:time_to_first_token_seconds_count")
-        # The decode's engine core: queued to scheduled (the KV load is in it), then scheduled
-        # to first token (computing the prompt's rest); both counted when a request finishes.
-        for key, name in (("q2", "queue_time"), ("pf2", "prefill_time")):
-            out[f"{key}_s"] = two.metric(f"vllm:request_{name}_seconds_sum")
-            out[f"{key}_n"] = two.metric(f"vllm:request_{name}_seconds_count")
+    one = stack.vllm[first].metrics()
+    if second is None:
+        return _sums_and_counts([("leg1", one, "vllm:time_to_first_token_seconds")])
+    two = stack.vllm[second].metrics()
+    return _sums_and_counts(
+        [
+            ("leg1", one, "vllm:e2e_request_latency_seconds"),
+            ("leg2", two, "vllm:time_to_first_token_seconds"),
+            # The decode's engine core: queued to scheduled (the KV load is in it), then
+            # scheduled to first token (computing the prompt's rest); counted when it finishes.
+            ("q2", two, "vllm:request_queue_time_seconds"),
+            ("pf2", two, "vllm:request_prefill_time_seconds"),
+        ]
+    )
+
+
+def _sums_and_counts(histograms) -> dict:
+    """``{key}_s`` and ``{key}_n`` of each (key, metric totals, histogram name)."""
+    out = {}
+    for key, totals, name in histograms:
+        out[f"{key}_s"] = totals.get(f"{name}_sum", 0.0)
+        out[f"{key}_n"] = totals.get(f"{name}_count", 0.0)
     return out
 
 
@@ -379,11 +387,12 @@ def proxy_counters(stack: Stack, setup: str) -> dict:
     """Our proxy's view of the same so far (sums and counts): sending the prefill request to
     having its whole answer; the client's request arriving to the decode answer's first byte."""
     totals = servers.metric_totals(f"{stack.urls[setup]}/metrics")
-    out = {}
-    for key, name in (("px1", "prefill_seconds"), ("pxf", "time_to_first_decode_byte_seconds")):
-        out[f"{key}_s"] = totals.get(f"mooncake_proxy_{name}_sum", 0.0)
-        out[f"{key}_n"] = totals.get(f"mooncake_proxy_{name}_count", 0.0)
-    return out
+    return _sums_and_counts(
+        [
+            ("px1", totals, "mooncake_proxy_prefill_seconds"),
+            ("pxf", totals, "mooncake_proxy_time_to_first_decode_byte_seconds"),
+        ]
+    )
 
 
 def counters(stack: Stack) -> dict[str, dict]:
@@ -537,9 +546,7 @@ def summarize(samples: list[dict], cells: list[dict]) -> list[dict]:
                 "pxf_ms": float("nan"),
             }
             # Server-side means: where the TTFT goes (the rest is the proxy and HTTP).
-            if kv and kv.get("leg1_n"):
-                row["leg1_ms"] = 1000 * kv["leg1_s"] / kv["leg1_n"]
-            for key in ("leg2", "q2", "pf2", "px1", "pxf"):
+            for key in ("leg1", "leg2", "q2", "pf2", "px1", "pxf"):
                 if kv and kv.get(f"{key}_n"):
                     row[f"{key}_ms"] = 1000 * kv[f"{key}_s"] / kv[f"{key}_n"]
             if kv and "failures" in kv:  # ours and pool: failed loads (recomputed), retries

@@ -169,15 +169,19 @@ def http_text(url: str, timeout_s: float = 10.0) -> str:
         return resp.read().decode()
 
 
-def metric_totals(url: str) -> dict[str, float]:
-    """A Prometheus endpoint's samples summed over labels, by sample name (prometheus_client's
-    parser)."""
+def metric_samples(url: str) -> Iterator:
+    """Every sample of a Prometheus endpoint (prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, float] = {}
     for family in text_string_to_metric_families(http_text(url)):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        yield from family.samples
+
+
+def metric_totals(url: str) -> dict[str, float]:
+    """A Prometheus endpoint's samples summed over labels, by sample name."""
+    out: dict[str, float] = {}
+    for sample in metric_samples(url):
+        out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 
@@ -193,11 +197,8 @@ class VllmServer:
         return f"http://{self.host}:{self.port}"
 
     def _samples(self):
-        """Every sample of vLLM's ``/metrics`` (prometheus_client's parser)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        for family in text_string_to_metric_families(http_text(f"{self.url}/metrics")):
-            yield from family.samples
+        """Every sample of vLLM's ``/metrics``."""
+        return metric_samples(f"{self.url}/metrics")
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus samples summed over labels, by sample name."""
