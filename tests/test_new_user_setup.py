@@ -68,21 +68,25 @@ def _pair_specs(cfg_path: Path, prefill_host: str, decode_host: str, tag: str, *
 
 
 @contextlib.contextmanager
-def _proxy(prefill, decode, tag: str):
-    """``python proxy/proxy_server.py`` in front of the pair; yields its URL."""
-    port = servers.free_port()
-    proxy = servers.ManagedProcess(
-        f"proxy-{tag}",
-        [sys.executable, str(REPO / "proxy" / "proxy_server.py"),
-         "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)],
-        servers.default_log_dir() / f"proxy-{tag}-{port}.log",
-    ).start()  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
+def _serving(model: str, specs: list[ServerSpec], tag: str):
+    """Starts ``specs`` (the pair last) and ``python proxy/proxy_server.py`` in front of the
+    pair; yields the servers and the proxy's URL, and stops them all however the block ends."""
+    started = start_many(model, specs)
+    with contextlib.ExitStack() as stack:
+        for srv in started:
+            stack.enter_context(servers.running(srv))
+        prefill, decode = started[-2:]
+        port = servers.free_port()
+        proxy = servers.ManagedProcess(
+            f"proxy-{tag}",
+            [sys.executable, str(REPO / "proxy" / "proxy_server.py"),
+             "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)],
+            servers.default_log_dir() / f"proxy-{tag}-{port}.log",
+        ).start()  # fmt: skip
+        stack.enter_context(servers.running(proxy))
+        url = f"http://127.0.0.1:{port}"
         proxy.wait_until(lambda: servers.http_text(f"{url}/health") != "", 60, "healthy")
-        yield url
-    finally:
-        proxy.stop()
+        yield started, url
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +97,8 @@ def setup(tmp_path_factory):
         ServerSpec("plain-default", HOST),
         *_pair_specs(cfg, HOST, HOST, "1host", MOONCAKE_VLLM_TEST_FREEZE_AFTER_GRANT=FREEZE_PREFIX),
     ]
-    started = start_many(model, specs)
-    plain, prefill, decode = started
-    try:
-        with _proxy(prefill, decode, "1host") as url:
-            yield NewUser(model, plain, prefill, decode, url)
-    finally:
-        for srv in reversed(started):
-            srv.stop()
+    with _serving(model, specs, "1host") as ((plain, prefill, decode), url):
+        yield NewUser(model, plain, prefill, decode, url)
 
 
 @pytest.fixture
@@ -108,14 +106,8 @@ def two_hosts(setup, tmp_path):
     """The same on two addresses (prefill 127.0.0.2, decode 127.0.0.3), beside the same plain
     server; the one-address pair stays up, idle."""
     specs = _pair_specs(tmp_path / "mooncake.json", "127.0.0.2", "127.0.0.3", "2hosts")
-    started = start_many(setup.model, specs)
-    prefill, decode = started
-    try:
-        with _proxy(prefill, decode, "2hosts") as url:
-            yield NewUser(setup.model, setup.plain, prefill, decode, url)
-    finally:
-        for srv in reversed(started):
-            srv.stop()
+    with _serving(setup.model, specs, "2hosts") as ((prefill, decode), url):
+        yield NewUser(setup.model, setup.plain, prefill, decode, url)
 
 
 @pytest.fixture
