@@ -23,8 +23,10 @@ from pydantic import (
     model_validator,
 )
 
+from mooncake_vllm.auth import Keys, load_keys
 from mooncake_vllm.metadata import (
     P2P_HANDSHAKE,
+    MetadataAuth,
     MetadataTarget,
     parse_metadata_server,
     split_host_port,
@@ -86,6 +88,24 @@ class MooncakeSettings(BaseModel):
     # Python's switch interval in this engine's worker processes (Python: 5 ms); null keeps it.
     # A pull thread waits up to this long for the GIL at each poll while vLLM's reader spins.
     gil_switch_interval_s: float | None = Field(0.0002, gt=0, le=0.1)
+    # ---- trust (docs/security.md) ----
+    # The shared secret that authenticates side-channel frames and metadata-store records: a
+    # file, or the name of an environment variable (never the secret itself). Unset: off.
+    auth_secret_file: str | None = None
+    auth_secret_env: str | None = None
+    # Consumer: the producers it may pull from (IPs, CIDRs, host names), checked against the
+    # handoff's side channel and the granted transfer-engine segment. Unset: any producer (with a
+    # secret, only producers holding it can answer).
+    trusted_producers: list[str] | None = None
+    # Producer: what one side-channel peer may send, and how many peers are tracked at once.
+    side_channel_max_frame_bytes: int = Field(1 << 20, ge=4096)
+    side_channel_peer_rate: float = Field(2000.0, gt=0)  # frames per second, with a burst of 2 s
+    side_channel_max_peers: int = Field(256, ge=1)
+    # Credentials for the metadata store (etcd, redis, http), read from files or the environment.
+    metadata_auth: MetadataAuth = MetadataAuth()
+    # Model identity in the compatibility check: by default a fingerprint of the model's files;
+    # set it when both sides load the same weights from files that differ (a declared name).
+    model_identity: str | None = None
 
     @field_validator("prefill_url", "decode_url")
     @classmethod
@@ -97,6 +117,22 @@ class MooncakeSettings(BaseModel):
     @classmethod
     def _check_advertise_url(cls, v: str | None) -> str | None:
         return None if v is None else normalize_advertise_url(v)
+
+    @field_validator("trusted_producers")
+    @classmethod
+    def _check_trusted(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v:
+            raise ValueError("an empty list trusts no producer; drop the key to trust any")
+        return v
+
+    @model_validator(mode="after")
+    def _check_secret(self) -> MooncakeSettings:
+        load_keys(self.auth_secret_file, self.auth_secret_env)
+        return self
+
+    def auth_keys(self) -> Keys:
+        """The shared secret's keys (``()``: authentication off); checked at startup."""
+        return load_keys(self.auth_secret_file, self.auth_secret_env)
 
     @model_validator(mode="after")
     def _check_metadata(self) -> MooncakeSettings:

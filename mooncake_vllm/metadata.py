@@ -24,6 +24,7 @@ from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
+from pydantic import BaseModel, ConfigDict
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,13 @@ ACCEPTED_FORMS = (
     "'P2PHANDSHAKE', 'etcd://host:port' (several: 'etcd://h1:p1,h2:p2'), 'redis://host:port', "
     "'http://host:port/metadata', or a bare 'host:port' with metadata_backend 'etcd'|'redis'|'http'"
 )
+
+
+class MetadataAuth(BaseModel):
+    """Credentials for the metadata store (``metadata_auth`` in the config). Secrets come from
+    files or environment variables named here, never from the config or a command line."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass(frozen=True)
