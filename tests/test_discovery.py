@@ -19,6 +19,7 @@ import pytest
 
 from harness import servers
 from harness.xpyd import start_proxy
+from mooncake_vllm import auth
 from mooncake_vllm.config import ConfigError, load_settings
 from mooncake_vllm.metadata import StoreUnavailable, open_store, parse_metadata_server
 from mooncake_vllm.protocol import SERVING_PREFIX, ServingRecord, encode_serving, serving_key
@@ -114,12 +115,48 @@ def test_records_map_to_pools_by_role_and_bad_ones_are_reported():
         serving_key("odd"): _record("odd", "kv_observer", "http://127.0.0.5:1"),
         serving_key("nourl"): _record("nourl", "kv_producer", "127.0.0.6:1"),
     }
-    bad: set[str] = set()
+    bad: dict[str, str] = {}
     assert wanted_backends(records, bad) == {
         "prefill": {"http://127.0.0.2:8100": "p", "http://127.0.0.4:8300": "b"},
         "decode": {"http://127.0.0.3:8200": "d", "http://127.0.0.4:8300": "b"},
     }
-    assert bad == {serving_key(k) for k in ("junk", "odd", "nourl")}
+    assert bad == {serving_key(k): "invalid" for k in ("junk", "odd", "nourl")}
+
+
+SECRET = auth.new_secret().encode()
+OTHER_SECRET = auth.new_secret().encode()
+
+
+@pytest.mark.parametrize(
+    "keys, sealed_with, expected",
+    [
+        ((), None, None),  # no secret: records read as they are ...
+        ((), (SECRET,), None),  # ... signed or not
+        ((SECRET,), (SECRET,), None),
+        ((OTHER_SECRET, SECRET), (SECRET,), None),  # rotation: any key verifies
+        ((SECRET,), None, "unsigned"),
+        ((SECRET,), (OTHER_SECRET,), "bad_signature"),
+    ],
+)
+def test_records_must_verify_under_the_secret(keys, sealed_with, expected):
+    data = _record("p", "kv_producer", "http://127.0.0.2:8100")
+    if sealed_with is not None:
+        data = auth.seal_record(sealed_with, data)
+    bad: dict[str, str] = {}
+    wanted = wanted_backends({serving_key("p"): data}, bad, keys)
+    if expected is None:
+        assert wanted["prefill"] == {"http://127.0.0.2:8100": "p"} and bad == {}
+    else:
+        assert wanted == {"prefill": {}, "decode": {}}
+        assert bad == {serving_key("p"): expected}
+
+
+def test_a_tampered_record_does_not_verify():
+    sealed = auth.seal_record((SECRET,), _record("p", "kv_producer", "http://127.0.0.2:8100"))
+    tampered = sealed.replace(b"127.0.0.2", b"127.0.0.9")
+    bad: dict[str, str] = {}
+    assert wanted_backends({"k": tampered}, bad, (SECRET,))["prefill"] == {}
+    assert bad == {"k": "bad_signature"}
 
 
 def test_a_joined_backend_waits_for_its_first_probe_and_a_removed_one_is_gone():
@@ -130,6 +167,8 @@ def test_a_joined_backend_waits_for_its_first_probe_and_a_removed_one_is_gone():
     assert pool.seconds_until_next_probe() == 1.0  # an empty pool still sleeps the prober
     joined = pool.add("http://a:1")
     assert joined is not None and pool.add("http://a:1") is None
+    assert not joined.trusted and pool.add("http://c:1", trusted=True).trusted
+    pool.remove("http://c:1")
     with pytest.raises(NoHealthyBackend):
         pool.pick()  # out of rotation until a probe passes ...
     assert pool.due_for_probe() == [joined]  # ... which is due at once

@@ -7,7 +7,7 @@ import pytest
 from mooncake_vllm.proxy import rewrite
 from mooncake_vllm.proxy.config import ProxyConfig, normalize_backend_url
 from mooncake_vllm.proxy.routing import BackendPool, Backoff, NoHealthyBackend, Policy
-from mooncake_vllm.proxy.server import build_parser, parse_args
+from mooncake_vllm.proxy.server import build_parser, parse_args, startup_warnings
 
 CHAT = rewrite.CHAT_COMPLETIONS_PATH
 COMPLETIONS = rewrite.COMPLETIONS_PATH
@@ -177,14 +177,17 @@ def test_parse_body_refuses_anything_but_a_json_object(raw):
     ],
 )
 def test_backend_authorization(client_auth, forward, env_key, expected):
-    headers = rewrite.backend_headers(
-        request_id="rid",
-        client_authorization=client_auth,
-        forward_client_authorization=forward,
-        env_api_key=env_key,
-    )
-    assert headers.get("Authorization") == expected
-    assert headers["X-Request-Id"] == "rid"
+    for trusted in (True, False):
+        headers = rewrite.backend_headers(
+            request_id="rid",
+            client_authorization=client_auth,
+            forward_client_authorization=forward,
+            env_api_key=env_key,
+            backend_trusted=trusted,
+        )
+        # An untrusted backend (discovered, record not verified) gets no key of any kind.
+        assert headers.get("Authorization") == (expected if trusted else None)
+        assert headers["X-Request-Id"] == "rid"
 
 
 @pytest.mark.parametrize(
@@ -365,6 +368,23 @@ def test_help_lists_every_flag():
         "granian",
         "uvicorn",
         "hypercorn",
+        "--api-key-file",
+        "--api-key-env",
+        "--protect-metrics",
+        "--protect-health",
+        "--client-max-concurrency",
+        "--client-rate",
+        "--client-burst",
+        "--auth-secret-file",
+        "--auth-secret-env",
+        "--discover-user",
+        "--discover-password-file",
+        "--discover-password-env",
+        "--discover-token-file",
+        "--discover-token-env",
+        "--discover-ca-file",
+        "--discover-cert-file",
+        "--discover-key-file",
     ):
         assert flag in text
 
@@ -469,3 +489,75 @@ def test_mode_flag():
     assert parse_args([*args, "--mode", "pool"]).mode == "pool"
     with pytest.raises(SystemExit):
         parse_args([*args, "--mode", "push"])
+
+
+# ---- clients' keys, limits, the shared secret, the store's credentials ---------------------------
+
+STATIC = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+
+
+def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("  first-key \n\nsecond-key\n")
+    assert parse_args([*STATIC, "--api-key-file", str(keys)]).api_keys() == (
+        "first-key",
+        "second-key",
+    )
+    monkeypatch.setenv("PROXY_KEY", "env-key\n")
+    cfg = parse_args([*STATIC, "--api-key-env", "PROXY_KEY"])
+    assert cfg.api_keys() == ("env-key",) and startup_warnings(cfg) == []
+    assert parse_args(STATIC).api_keys() == ()
+
+
+def test_the_key_on_the_command_line_still_works_with_a_warning():
+    cfg = parse_args([*STATIC, "--api-key", "k"])
+    assert cfg.api_keys() == ("k",)
+    [warning] = startup_warnings(cfg)
+    assert "--api-key" in warning and "--api-key-file" in warning and "ps" in warning
+
+
+def test_discovery_without_a_secret_warns_that_discovered_backends_get_no_key(monkeypatch):
+    [warning] = startup_warnings(parse_args(["--discover", "etcd://h:1"]))
+    assert "--auth-secret-file" in warning and "no Authorization" in warning
+    monkeypatch.setenv("SECRET", "s" * 32)
+    cfg = parse_args(["--discover", "etcd://h:1", "--auth-secret-env", "SECRET"])
+    assert startup_warnings(cfg) == [] and cfg.auth_keys() == (b"s" * 32,)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--api-key", "a", "--api-key-env", "K"], "give only one of --api-key and --api-key-env"),
+        (["--api-key-file", "/nonexistent/keys"], "--api-key-file '/nonexistent/keys' cannot be"),
+        (["--api-key-file", "EMPTY"], "holds no key"),
+        (["--api-key-env", "UNSET_PROXY_KEY"], "--api-key-env 'UNSET_PROXY_KEY': the environment"),
+        (["--protect-metrics"], "--protect-metrics needs the API key"),
+        (["--protect-health", "--protect-metrics"], "--protect-metrics and --protect-health"),
+        (["--client-burst", "3"], "--client-burst needs --client-rate"),
+        (["--client-rate", "0"], "--client-rate"),
+        (["--client-max-concurrency", "0"], "--client-max-concurrency"),
+        (["--auth-secret-file", "/nonexistent/s"], "--auth-secret-file '/nonexistent/s' cannot"),
+        (["--auth-secret-env", "SHORT"], "--auth-secret-env 'SHORT': key 1 has fewer than 16"),
+        (["--discover-user", "u"], "--discover-user: credentials for --discover's store, but no"),
+        (["--discover", "http://h:1/metadata", "--discover-token-env", "UNSET_TOKEN"],
+         "--discover-token-env: the environment variable is not set"),
+        (["--discover", "etcd://h:1", "--discover-password-env", "SHORT"],
+         "set --discover-user"),
+        (["--discover", "etcd://h:1", "--discover-token-env", "SHORT"],
+         "--discover-token-file/--discover-token-env are for the http metadata server"),
+    ],
+)  # fmt: skip
+def test_bad_security_flags_exit_naming_the_flag_and_the_fix(
+    argv, fragment, capsys, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SHORT", "too-short")
+    monkeypatch.delenv("UNSET_PROXY_KEY", raising=False)
+    monkeypatch.delenv("UNSET_TOKEN", raising=False)
+    (tmp_path / "EMPTY").write_text("\n \n")
+    argv = [str(tmp_path / a) if a == "EMPTY" else a for a in argv]
+    if "--discover" not in argv:
+        argv = [*STATIC, *argv]
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert fragment in capsys.readouterr().err

@@ -1,10 +1,10 @@
 """The prefill/decode proxy: clients talk to it; it prefills on one vLLM and decodes on another.
 
-One module per concern; the first four are pure:
+One module per concern; the first five are pure (``config`` reads the secret files it names):
 
 - ``rewrite``: request bodies and headers of the two legs; ``routing``: backend choice and health
   state; ``prefix``: the prefix key and the bounded-load hash ring of ``--policy prefix``;
-  ``config``: the validated settings;
+  ``limits``: per-client token buckets and in-flight counts; ``config``: the validated settings;
 - ``errors``: what a client can get, and what a failed backend call means;
 - ``failover``: the pools, the HTTP session, and the one failover path both legs take;
 - ``legs``: the prefill leg and the decode leg; ``stream``: relaying a streamed decode answer;

@@ -7,8 +7,8 @@ Where to look:
 - ``errors``: the errors a client can get, and what a failed backend call means;
 - ``stream.DecodeStream``: streaming the decode's answer, and when either side goes away;
 - ``health.HealthProber``: the background health prober;
-- ``create_app`` (here): the routes, auth, and the error handlers that keep every answer
-  OpenAI-shaped.
+- ``create_app`` (here): the routes, auth, per-client limits (``limits``), and the error
+  handlers that keep every answer OpenAI-shaped.
 
 Failures and what the client sees:
 
@@ -21,6 +21,8 @@ no healthy backend in a pool            503 naming the pool
 prefill or decode misses its deadline   504 naming the deadline and its flag
 decode fails mid-stream                 a final ``data: {"error": ...}`` event, then the end
 client goes away mid-stream             the decode connection is closed, so vLLM aborts
+no or a wrong API key (``--api-key*``)  401 (also on /metrics, /health with ``--protect-*``)
+over a ``--client-*`` limit             429 with ``Retry-After``; no backend sees the request
 ======================================  =====================================================
 """
 
@@ -43,6 +45,7 @@ from mooncake_vllm.proxy.discovery import RegistryFollower
 from mooncake_vllm.proxy.errors import ProxyError
 from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.health import HealthProber, health_report, healthy
+from mooncake_vllm.proxy.limits import ClientLimits, Refusal
 from mooncake_vllm.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.prefix import prefix_key
@@ -52,8 +55,10 @@ from mooncake_vllm.proxy.stream import DecodeStream
 logger = logging.getLogger("mooncake_vllm.proxy")
 
 
-def json_response(body: dict[str, Any], status: int) -> Response:
-    return Response(json.dumps(body), status=status, mimetype="application/json")
+def json_response(
+    body: dict[str, Any], status: int, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(json.dumps(body), status=status, mimetype="application/json", headers=headers)
 
 
 # ---- one client request -------------------------------------------------------------------------
@@ -108,11 +113,27 @@ def create_app(cfg: ProxyConfig) -> Quart:
     backends = Backends(cfg, metrics)
     prober = HealthProber(backends)
     follower = (
-        RegistryFollower(backends, cfg.discover, cfg.discover_interval_s) if cfg.discover else None
+        RegistryFollower(
+            backends, cfg.discover, cfg.discover_interval_s, cfg.auth_keys(), cfg.metadata_auth()
+        )
+        if cfg.discover
+        else None
     )
     app.extensions["registry_follower"] = follower  # tests wait on its rounds
     # Read once: the key the backends expect when the client's key is not forwarded.
     env_api_key = os.environ.get("OPENAI_API_KEY") or None
+    # "Bearer <key>" -> the client it names in --client-* limits (never the key itself).
+    client_keys = {f"Bearer {k}".encode(): f"api-key-{i + 1}" for i, k in enumerate(cfg.api_keys())}
+    protected_paths = {p for p, on in (("/metrics", cfg.protect_metrics),
+                                       ("/health", cfg.protect_health)) if on}  # fmt: skip
+    limits = None
+    if cfg.client_max_concurrency is not None or cfg.client_rate is not None:
+        limits = ClientLimits(
+            max_concurrency=cfg.client_max_concurrency,
+            rate_per_s=cfg.client_rate,
+            burst=cfg.client_burst,
+        )
+    app.extensions["client_limits"] = limits
 
     @app.before_serving
     async def _start() -> None:
@@ -132,9 +153,29 @@ def create_app(cfg: ProxyConfig) -> Quart:
     async def _begin_request() -> Response | None:
         g.started_s = time.monotonic()
         g.request_id = rewrite.request_id_from(request.headers.get("X-Request-Id"))
-        if cfg.api_key is not None and request.path.startswith("/v1/"):
-            return _refuse_wrong_api_key(cfg.api_key)
+        g.client_slot = None
+        api = request.path.startswith("/v1/")
+        client = None
+        if client_keys and (api or request.path in protected_paths):
+            client = _authenticated_client(client_keys)
+            if client is None:
+                return _unauthorized()
+        if limits is not None and api:
+            # A key the proxy did not check is no identity: a client could send a new one with
+            # every request. Then the client is its address.
+            admitted = limits.acquire(client or f"address {request.remote_addr}")
+            if isinstance(admitted, Refusal):
+                metrics.client_limited.labels(admitted.reason).inc()
+                return _too_many_requests(admitted)
+            g.client_slot = admitted
         return None
+
+    @app.teardown_request
+    async def _end_request(_: BaseException | None) -> None:
+        # Runs before a streamed body is sent: a DecodeStream has taken its slot over by then.
+        slot = getattr(g, "client_slot", None)
+        if slot is not None:
+            slot.release_unless_handed_over()
 
     @app.after_request
     async def _finish_request(response: Response) -> Response:
@@ -148,13 +189,23 @@ def create_app(cfg: ProxyConfig) -> Quart:
     _handle_errors(app, cfg)
 
     def request_context() -> RequestContext:
-        headers = rewrite.backend_headers(
-            request_id=g.request_id,
-            client_authorization=request.headers.get("Authorization"),
-            forward_client_authorization=cfg.api_key is None,
-            env_api_key=env_api_key,
+        def headers(backend_trusted: bool) -> dict[str, str]:
+            return rewrite.backend_headers(
+                request_id=g.request_id,
+                client_authorization=request.headers.get("Authorization"),
+                forward_client_authorization=not client_keys,
+                env_api_key=env_api_key,
+                backend_trusted=backend_trusted,
+            )
+
+        return RequestContext(
+            g.request_id,
+            g.started_s,
+            request.path,
+            trusted_headers=headers(True),
+            untrusted_headers=headers(False),
+            client_slot=g.client_slot,
         )
-        return RequestContext(g.request_id, g.started_s, request.path, headers)
 
     async def generation() -> Response:
         raw = await request.get_data(cache=False)
@@ -188,18 +239,30 @@ def create_app(cfg: ProxyConfig) -> Quart:
     return app
 
 
-def _refuse_wrong_api_key(api_key: str) -> Response | None:
-    """A 401 unless the request carries ``Authorization: Bearer <api_key>``."""
-    expected = f"Bearer {api_key}".encode()
+def _authenticated_client(client_keys: dict[bytes, str]) -> str | None:
+    """The client named by the request's ``Authorization: Bearer <key>``; None for no or a wrong
+    key. Every key is compared, in constant time each."""
     sent = request.headers.get("Authorization", "").encode()
-    if hmac.compare_digest(sent, expected):
-        return None
+    client = None
+    for expected, name in client_keys.items():
+        if hmac.compare_digest(sent, expected):
+            client = name
+    return client
+
+
+def _unauthorized() -> Response:
     body = rewrite.openai_error(
         "missing or wrong API key; send 'Authorization: Bearer <key>'",
         "authentication_error",
         code="invalid_api_key",
     )
-    return json_response(body, 401)
+    return json_response(body, 401, {"WWW-Authenticate": "Bearer"})
+
+
+def _too_many_requests(refusal: Refusal) -> Response:
+    code = "rate_limit_exceeded" if refusal.reason == "rate" else "concurrency_limit_exceeded"
+    body = rewrite.openai_error(refusal.message, "rate_limit_error", code=code)
+    return json_response(body, 429, {"Retry-After": refusal.retry_after_header})
 
 
 def _handle_errors(app: Quart, cfg: ProxyConfig) -> None:

@@ -1,17 +1,24 @@
 """The proxy's configuration: one frozen pydantic model, validated once at startup.
 
 Field names match the command-line flags (``timeout_s`` is ``--timeout-s``), so a validation error
-names the flag the user typed (see ``server.parse_args``).
+names the flag the user typed (see ``server.parse_args``). Secrets (the clients' API key, the
+shared secret, the metadata store's credentials) are named by a file or an environment variable;
+the files are read when the config is validated, so a missing one stops the proxy at startup.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mooncake_vllm.metadata import parse_metadata_server
+from mooncake_vllm import auth
+from mooncake_vllm.metadata import MetadataAuth, check_auth, parse_metadata_server
 from mooncake_vllm.proxy.http_servers import DEFAULT_HTTP_SERVER, HttpServer
 from mooncake_vllm.proxy.routing import Policy
 
@@ -55,7 +62,31 @@ class ProxyConfig(BaseModel):
     # pool: nothing is handed over; the decode finds the prompt in the pool by its tokens
     # (MooncakeStoreConnector), as behind Mooncake guide's minimal proxy.
     mode: Literal["p2p", "pool"] = "p2p"
+    # The clients' API key: the key itself (shows in process arguments), a file (one key per
+    # line: any of them is accepted) or the name of an environment variable; at most one.
     api_key: str | None = None
+    api_key_file: str | None = None
+    api_key_env: str | None = None
+    # /metrics and /health ask for the API key too (off: monitoring and probes need none).
+    protect_metrics: bool = False
+    protect_health: bool = False
+    # Per-client limits on /v1/* (``limits``): requests in flight, requests/s with a burst.
+    client_max_concurrency: int | None = Field(None, ge=1)
+    client_rate: float | None = Field(None, gt=0)
+    client_burst: int | None = Field(None, ge=1)
+    # The shared secret registry records are signed with (the connector's auth_secret_file /
+    # auth_secret_env): with it, discovered backends are verified, and trusted.
+    auth_secret_file: str | None = None
+    auth_secret_env: str | None = None
+    # Credentials for --discover's metadata store (``metadata.MetadataAuth``).
+    discover_user: str | None = None
+    discover_password_file: str | None = None
+    discover_password_env: str | None = None
+    discover_token_file: str | None = None
+    discover_token_env: str | None = None
+    discover_ca_file: str | None = None
+    discover_cert_file: str | None = None
+    discover_key_file: str | None = None
     timeout_s: float = Field(300.0, gt=0)
     prefill_timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
@@ -98,3 +129,144 @@ class ProxyConfig(BaseModel):
         if key is not None and not key.strip():
             raise ValueError("must not be empty")
         return key
+
+    @model_validator(mode="after")
+    def _check_api_key(self) -> ProxyConfig:
+        keys = self.api_keys()  # ValueError names the flag and the fix
+        protected = [f for f in ("protect_metrics", "protect_health") if getattr(self, f)]
+        if protected and not keys:
+            flags = " and ".join(_flag(f) for f in protected)
+            raise ValueError(
+                f"{flags} needs the API key clients send: give --api-key-file or --api-key-env"
+            )
+        return self
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys clients may send (``()``: none asked for)."""
+        return load_api_keys(self.api_key, self.api_key_file, self.api_key_env)
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> ProxyConfig:
+        if self.client_burst is not None and self.client_rate is None:
+            raise ValueError("--client-burst needs --client-rate (requests/s per client)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_secret(self) -> ProxyConfig:
+        self.auth_keys()
+        return self
+
+    def auth_keys(self) -> auth.Keys:
+        """The shared secret's keys (``()``: registry records are not verified)."""
+        try:
+            return auth.load_keys(self.auth_secret_file, self.auth_secret_env)
+        except ValueError as e:  # worded for the connector's config keys: name our flags
+            message = str(e)
+            for key in ("auth_secret_file", "auth_secret_env"):
+                message = message.replace(f"{key}=", f"{_flag(key)} ").replace(key, _flag(key))
+            raise ValueError(message) from e
+
+    @model_validator(mode="after")
+    def _check_metadata_auth(self) -> ProxyConfig:
+        given = _discover_auth_fields(self)
+        if given and self.discover is None:
+            flags = ", ".join(_flag("discover_" + k) for k in given)
+            raise ValueError(f"{flags}: credentials for --discover's store, but no --discover")
+        store_auth = self.metadata_auth()
+        if self.discover is not None:
+            try:  # what the store would ignore, or TLS files for a plain connection
+                check_auth(parse_metadata_server(self.discover), store_auth)
+            except ValueError as e:
+                raise ValueError(_discover_flags_in(str(e))) from e
+        return self
+
+    def metadata_auth(self) -> MetadataAuth:
+        """Credentials for ``--discover``'s store, from the ``--discover-*`` flags."""
+        try:
+            return MetadataAuth(**_discover_auth_fields(self))
+        except ValidationError as e:  # worded for the connector's metadata_auth: name our flags
+            problems = []
+            for err in e.errors():
+                message = _discover_flags_in(err["msg"].removeprefix("Value error, "))
+                where = [_flag(f"discover_{loc}") for loc in err["loc"] if isinstance(loc, str)]
+                if where:
+                    message = f"{', '.join(where)}: {message} (got {err['input']!r})"
+                problems.append(message)
+            raise ValueError("; ".join(problems)) from e
+
+
+_METADATA_AUTH_FIELDS = ("user", "password_file", "password_env", "token_file", "token_env",
+                         "ca_file", "cert_file", "key_file")  # fmt: skip
+# A key in MetadataAuth's messages: ``password_file``, ``metadata_auth.token_env=``, ``user=``,
+# ``metadata_auth.user`` (a bare "user" is a word of the prose).
+_METADATA_AUTH_KEY = re.compile(
+    r"\b(?:metadata_auth\.)?(?:" + "|".join(_METADATA_AUTH_FIELDS[1:]) + r")\b=?"
+    r"|\bmetadata_auth\.user\b=?|\buser="
+)
+
+
+def _discover_flags_in(message: str) -> str:
+    """A message about ``metadata_auth``/``metadata_server`` with our flags in their place
+    (``password_file`` is ``--discover-password-file``, ``metadata_server`` ``--discover``)."""
+
+    def as_flag(m: re.Match[str]) -> str:
+        key = m[0].removeprefix("metadata_auth.").removesuffix("=")
+        return _flag("discover_" + key) + (" " if m[0].endswith("=") else "")
+
+    message = _METADATA_AUTH_KEY.sub(as_flag, message.removeprefix("metadata_auth: "))
+    return message.replace("metadata_server", "--discover").replace("metadata_auth", "--discover-*")
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _discover_auth_fields(cfg: ProxyConfig) -> dict[str, Any]:
+    """``MetadataAuth``'s fields given as ``--discover-*`` flags, named as ``MetadataAuth`` names
+    them (``discover_user`` is ``user``)."""
+    given = {f: getattr(cfg, f"discover_{f}") for f in _METADATA_AUTH_FIELDS}
+    return {f: v for f, v in given.items() if v is not None}
+
+
+def load_api_keys(
+    key: str | None,
+    key_file: str | None,
+    key_env: str | None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[str, ...]:
+    """The clients' API keys from the one place given; ``()`` when none is. A file or variable
+    may hold several keys, one per line (any is accepted: rotate by adding the new one first).
+    Raises ValueError naming the flag and the fix."""
+    environ = os.environ if environ is None else environ
+    given = [f for f, v in (("--api-key", key), ("--api-key-file", key_file),
+                            ("--api-key-env", key_env)) if v is not None]  # fmt: skip
+    if len(given) > 1:
+        raise ValueError(
+            f"give only one of {' and '.join(given)} (--api-key-file or --api-key-env keep the "
+            "key out of the process arguments)"
+        )
+    if key is not None:
+        return (key.strip(),)
+    if key_file is not None:
+        try:
+            text = Path(key_file).read_text()
+        except OSError as e:
+            raise ValueError(
+                f"--api-key-file {key_file!r} cannot be read ({e.strerror}); point it to a "
+                "file holding the key clients send (one per line)"
+            ) from e
+        where = f"--api-key-file {key_file!r}"
+    elif key_env is not None:
+        if key_env not in environ:
+            raise ValueError(
+                f"--api-key-env {key_env!r}: the environment variable is not set; export it "
+                "in the proxy's environment (the name goes on the command line, not the key)"
+            )
+        text = environ[key_env]
+        where = f"--api-key-env {key_env!r}"
+    else:
+        return ()
+    keys = tuple(line.strip() for line in text.splitlines() if line.strip())
+    if not keys:
+        raise ValueError(f"{where}: holds no key (one per line)")
+    return keys

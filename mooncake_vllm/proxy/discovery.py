@@ -13,6 +13,13 @@ engine stops, and expiring ``metadata_ttl_s`` after a crash. The follower reads 
   static is left to the static entry.
 
 A store that cannot be read leaves the pools as they are (logged once until it answers again).
+
+With the shared secret (``--auth-secret-file``/``--auth-secret-env``) every record must verify
+(``auth.open_record``): an unsigned or forged one is ignored, logged once per key and counted
+(``mooncake_proxy_registry_records_ignored``), and the backends of the records that verify are
+trusted with the clients' Authorization (``routing.Backend.trusted``). Without it, records are
+read as they are, signed or not, and discovered backends get no Authorization header: whoever can
+write to the store would otherwise collect the keys.
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ from collections.abc import Mapping
 
 import msgspec
 
-from mooncake_vllm.metadata import Store, StoreUnavailable, open_store, parse_metadata_server
+from mooncake_vllm import auth
+from mooncake_vllm.metadata import (
+    MetadataAuth,
+    Store,
+    StoreUnavailable,
+    open_store,
+    parse_metadata_server,
+)
 from mooncake_vllm.protocol import SERVING_PREFIX, decode_serving
 from mooncake_vllm.proxy.config import normalize_backend_url
 from mooncake_vllm.proxy.failover import Backends
@@ -39,20 +53,36 @@ POOLS_OF_ROLE = {
 }
 
 
+# Why a registry record was ignored: the label of mooncake_proxy_registry_records_ignored.
+UNSIGNED, BAD_SIGNATURE, INVALID = "unsigned", "bad_signature", "invalid"
+_IGNORED_BECAUSE = {
+    UNSIGNED: "is not signed, and --auth-secret-* asks for signed records",
+    BAD_SIGNATURE: "is signed with a key --auth-secret-* does not hold (forged, or a secret "
+    "not rolled out here)",
+    INVALID: "holds no usable serving record",
+}
+
+
 def wanted_backends(
-    records: Mapping[str, bytes], bad: set[str] | None = None
+    records: Mapping[str, bytes], bad: dict[str, str] | None = None, keys: auth.Keys = ()
 ) -> dict[str, dict[str, str]]:
-    """Registry values → ``{pool: {url: engine_id}}``. Keys whose record cannot be used are
-    skipped and added to ``bad`` (the caller logs each once)."""
+    """Registry values → ``{pool: {url: engine_id}}``. With ``keys`` only records that verify
+    count. Keys whose record cannot be used are skipped and put in ``bad`` with the reason
+    (``UNSIGNED``, ``BAD_SIGNATURE``, ``INVALID``); the caller logs each once."""
     wanted: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
     for key, data in sorted(records.items()):
         try:
-            record = decode_serving(data)
+            record = decode_serving(auth.open_record(keys, data))
             url = normalize_backend_url(record.url)
             pools = POOLS_OF_ROLE[record.role]
+        except auth.AuthError:
+            if bad is not None:
+                signed = data.startswith(auth.RECORD_MAGIC)
+                bad[key] = BAD_SIGNATURE if signed else UNSIGNED
+            continue
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, KeyError):
             if bad is not None:
-                bad.add(key)
+                bad[key] = INVALID
             continue
         for pool in pools:
             wanted[pool].setdefault(url, record.engine_id)
@@ -62,20 +92,29 @@ def wanted_backends(
 class RegistryFollower:
     """Keeps the pools of ``backends`` in step with the registry; owns its task and store."""
 
-    def __init__(self, backends: Backends, store_url: str, interval_s: float) -> None:
+    def __init__(
+        self,
+        backends: Backends,
+        store_url: str,
+        interval_s: float,
+        keys: auth.Keys = (),
+        store_auth: MetadataAuth | None = None,
+    ) -> None:
         self._backends = backends
         self._target = parse_metadata_server(store_url)
         self._interval_s = interval_s
+        self._keys = keys
+        self._store_auth = MetadataAuth() if store_auth is None else store_auth
         self._store: Store | None = None
         self._task: asyncio.Task[None] | None = None
         self._static = {r: {b.url for b in pool.backends} for r, pool in backends.pools.items()}
         self._discovered: dict[str, set[str]] = {role: set() for role in backends.pools}
         self._store_ok = True
-        self._bad_logged: set[str] = set()
+        self._bad_logged: dict[str, str] = {}  # key -> reason, as last logged
         self.rounds = 0  # registry reads that succeeded (tests wait on it)
 
     def start(self) -> None:
-        self._store = open_store(self._target)
+        self._store = open_store(self._target, self._store_auth)
         self._task = asyncio.create_task(self.follow_forever(), name="proxy-registry-follower")
 
     async def stop(self) -> None:
@@ -106,15 +145,18 @@ class RegistryFollower:
         if not self._store_ok:
             logger.warning("engine registry readable again (%s)", self._target.describe())
         self._store_ok = True
-        bad: set[str] = set()
-        wanted = wanted_backends(records, bad)
-        for key in bad - self._bad_logged:
-            logger.warning("registry key %s holds no usable serving record; ignored", key)
+        bad: dict[str, str] = {}
+        wanted = wanted_backends(records, bad, self._keys)
+        for key, reason in bad.items():
+            if self._bad_logged.get(key) != reason:
+                logger.warning("registry key %s %s; ignored", key, _IGNORED_BECAUSE[reason])
+                self._backends.metrics.registry_records_ignored.labels(reason).inc()
         self._bad_logged = bad
         for role, pool in self._backends.pools.items():
             urls = {u: e for u, e in wanted[role].items() if u not in self._static[role]}
             for url, engine_id in urls.items():
-                if url not in self._discovered[role] and pool.add(url) is not None:
+                trusted = bool(self._keys)  # every record in ``wanted`` verified
+                if url not in self._discovered[role] and pool.add(url, trusted=trusted) is not None:
                     self._discovered[role].add(url)
                     self._backends.metrics.declare_backends(role, [url])
                     logger.info("%s backend %s joined (engine %s)", role, url, engine_id)

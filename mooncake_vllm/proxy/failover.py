@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import aiohttp
 
@@ -25,6 +25,7 @@ from mooncake_vllm.proxy.errors import (
     ProxyError,
     classify,
 )
+from mooncake_vllm.proxy.limits import ClientSlot
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.routing import Backend, BackendPool, Backoff, NoHealthyBackend
 
@@ -50,15 +51,19 @@ class RequestContext:
     request_id: str
     started_s: float  # time.monotonic() at arrival; --timeout-s counts from here
     path: str  # the client's path, which both legs call on their backend
-    backend_headers: Mapping[str, str]
+    # Headers for a trusted backend and for one that is not (``rewrite.backend_headers``).
+    trusted_headers: Mapping[str, str]
+    untrusted_headers: Mapping[str, str]
     # The prompt's prefix key (``prefix.prefix_key``): the prefill pool routes on it under
     # --policy prefix; None for requests without a prompt.
     prefix_key: bytes | None = None
+    # The client's admission under --client-* limits; a streamed answer releases it when it ends.
+    client_slot: ClientSlot | None = None
 
-    @property
-    def json_headers(self) -> dict[str, str]:
-        """``backend_headers`` for a POST whose body is JSON bytes."""
-        return {**self.backend_headers, "Content-Type": "application/json"}
+    def headers_for(self, backend: Backend, *, json_body: bool = False) -> Mapping[str, str]:
+        """The headers of a call to ``backend``; ``json_body``: a POST of JSON bytes."""
+        headers = self.trusted_headers if backend.trusted else self.untrusted_headers
+        return {**headers, "Content-Type": "application/json"} if json_body else headers
 
 
 class InFlight:
@@ -203,19 +208,19 @@ class Backends:
         raise ProxyError.of(502, last.message, "backend_error")
 
     async def read_whole(
-        self, role: str, ctx: RequestContext, method: str, **request: Any
+        self, role: str, ctx: RequestContext, method: str, data: bytes | None = None
     ) -> Attempt[Reply]:
-        """One short, repeatable call to ``ctx.path`` on the ``role`` pool, read whole."""
-
-        request.setdefault("headers", ctx.backend_headers)
+        """One short, repeatable call to ``ctx.path`` on the ``role`` pool, read whole; ``data``:
+        a JSON body."""
 
         async def send(backend: Backend, deadline: LegDeadline) -> Reply:
             sent_s = time.monotonic()
             async with self.session.request(
                 method,
                 backend.url + ctx.path,
+                data=data,
+                headers=ctx.headers_for(backend, json_body=data is not None),
                 timeout=self.timeout(deadline.timeout_s),
-                **request,
             ) as resp:
                 raw = await resp.read()
                 content_type = resp.headers.get("Content-Type", "application/json")

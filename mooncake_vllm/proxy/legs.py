@@ -52,9 +52,7 @@ async def prefill(backends: Backends, ctx: RequestContext, body: dict[str, Any])
     pool_mode = backends.cfg.mode == "pool"
     transfer_id = None if pool_mode else rewrite.new_transfer_id()
     leg_body = rewrite.build_prefill_body(body, ctx.path, transfer_id)
-    attempt = await backends.read_whole(
-        "prefill", ctx, "POST", data=rewrite.encode_json(leg_body), headers=ctx.json_headers
-    )
+    attempt = await backends.read_whole("prefill", ctx, "POST", data=rewrite.encode_json(leg_body))
     backend, reply = attempt.backend, attempt.answer
     backends.metrics.prefill_seconds.labels(backend.url).observe(reply.took_s)
     logger.info("%s prefill %s -> %d", ctx.request_id, backend.url, reply.status)
@@ -117,7 +115,7 @@ async def open_decode(backends: Backends, ctx: RequestContext, body: bytes) -> O
         return await backends.session.post(
             backend.url + ctx.path,
             data=body,
-            headers=ctx.json_headers,
+            headers=ctx.headers_for(backend, json_body=True),
             timeout=backends.timeout(deadline.timeout_s),
         )
 

@@ -58,6 +58,24 @@ class ProxyMetrics:
             ["backend"],
             registry=self.registry,
         )
+        self.client_limited = Counter(
+            "mooncake_proxy_client_limited",
+            "Client requests refused with 429, by limit: concurrency (--client-max-concurrency) "
+            "or rate (--client-rate).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.registry_records_ignored = Counter(
+            "mooncake_proxy_registry_records_ignored",
+            "Registry records ignored by --discover, once per key each time it turns bad: "
+            "unsigned or bad_signature (under --auth-secret-*), invalid (no usable record).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("concurrency", "rate"):
+            self.client_limited.labels(reason)
+        for reason in ("unsigned", "bad_signature", "invalid"):
+            self.registry_records_ignored.labels(reason)
 
     def declare_backends(self, role: str, urls: Iterable[str]) -> None:
         """Export zeros for every backend so dashboards see them before the first event."""

@@ -232,14 +232,19 @@ def backend_headers(
     client_authorization: str | None,
     forward_client_authorization: bool,
     env_api_key: str | None,
+    backend_trusted: bool,
 ) -> dict[str, str]:
-    """Headers for both legs.
+    """Headers for a leg sent to a backend (``backend_trusted``: see ``routing.Backend.trusted``).
 
     The client's Authorization goes through unless the proxy checks its own key
     (``forward_client_authorization=False``): that key is the proxy's, not the backends'. In
-    either case ``OPENAI_API_KEY`` (``env_api_key``) fills in when nothing else is sent.
+    either case ``OPENAI_API_KEY`` (``env_api_key``) fills in when nothing else is sent. A backend
+    the proxy does not trust (discovered, its record not verified) gets neither: anyone who can
+    write to the registry could otherwise collect the clients' keys and the backends' key.
     """
     headers = {"X-Request-Id": request_id}
+    if not backend_trusted:
+        return headers
     if forward_client_authorization and client_authorization:
         headers["Authorization"] = client_authorization
     elif env_api_key:

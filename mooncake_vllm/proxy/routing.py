@@ -71,6 +71,9 @@ class Backend:
     # Discovered and not yet seen healthy: probed every ``Backoff.initial_s`` without backing
     # off, so an engine that publishes itself early is in rotation soon after it serves.
     joining: bool = False
+    # May see the client's Authorization and $OPENAI_API_KEY: a --prefill/--decode backend, or a
+    # discovered one whose registry record verified under the shared secret.
+    trusted: bool = True
 
     def snapshot(self, now_s: float) -> dict[str, Any]:
         return {
@@ -80,6 +83,7 @@ class Backend:
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
             "next_probe_in_s": round(max(self.next_probe_at_s - now_s, 0.0), 3),
+            "trusted": self.trusted,
         }
 
 
@@ -150,12 +154,15 @@ class BackendPool:
 
     # ---- membership (discovery) -----------------------------------------------------------------
 
-    def add(self, url: str) -> Backend | None:
+    def add(self, url: str, *, trusted: bool = False) -> Backend | None:
         """Add a backend that is not in rotation until its first health probe (due now) passes:
-        a discovered engine publishes itself before its API server listens. None if present."""
+        a discovered engine publishes itself before its API server listens. None if present.
+        ``trusted``: its record verified (see ``Backend.trusted``)."""
         if any(b.url == url for b in self.backends):
             return None
-        backend = Backend(url, healthy=False, last_error="joined; not probed yet", joining=True)
+        backend = Backend(
+            url, healthy=False, last_error="joined; not probed yet", joining=True, trusted=trusted
+        )
         backend.next_probe_at_s = self._clock()
         self.backends = (*self.backends, backend)
         return backend

@@ -91,11 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
         "nothing, the decode gets the prompt from the pool (MooncakeStoreConnector) (%(default)s)",
     )
     p.add_argument(
-        "--api-key",
-        default=None,
-        help="clients must send 'Authorization: Bearer KEY'; backends then get $OPENAI_API_KEY",
-    )
-    p.add_argument(
         "--timeout-s",
         type=float,
         default=defaults["timeout_s"].default,
@@ -131,7 +126,89 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults["log_level"].default,
         help="(%(default)s)",
     )
+    _add_client_flags(p)
+    _add_trust_flags(p)
     return p
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    clients = p.add_argument_group(
+        "clients",
+        "An API key (at most one of the three forms): clients must send 'Authorization: Bearer "
+        "KEY' on /v1/*, and backends get $OPENAI_API_KEY instead of it. A file or variable may "
+        "hold several keys, one per line.",
+    )
+    clients.add_argument(
+        "--api-key-file", default=None, metavar="PATH", help="read the key from this file"
+    )
+    clients.add_argument(
+        "--api-key-env",
+        default=None,
+        metavar="NAME",
+        help="read the key from this environment variable",
+    )
+    clients.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="the key itself: every user of this host sees it in the process list; prefer "
+        "--api-key-file or --api-key-env",
+    )
+    clients.add_argument(
+        "--protect-metrics", action="store_true", help="/metrics asks for the API key too"
+    )
+    clients.add_argument(
+        "--protect-health", action="store_true", help="/health asks for the API key too"
+    )
+    clients.add_argument(
+        "--client-max-concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests in flight per client (its API key, else its address); more get 429 "
+        "(default: no limit)",
+    )
+    clients.add_argument(
+        "--client-rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="requests per second per client, as a token bucket; more get 429 with Retry-After "
+        "(default: no limit)",
+    )
+    clients.add_argument(
+        "--client-burst",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests a client may send at once under --client-rate (default: one second's "
+        "worth, at least 1)",
+    )
+
+
+def _add_trust_flags(p: argparse.ArgumentParser) -> None:
+    trust = p.add_argument_group(
+        "registry trust (--discover)",
+        "The shared secret the engines sign their registry records with (the connector's "
+        "auth_secret_file/auth_secret_env): records that do not verify are ignored, and only "
+        "discovered backends whose record verified get the client's Authorization header. The "
+        "store's own credentials are read from files or the environment.",
+    )
+    trust.add_argument("--auth-secret-file", default=None, metavar="PATH", help="one key a line")
+    trust.add_argument("--auth-secret-env", default=None, metavar="NAME")
+    trust.add_argument("--discover-user", default=None, metavar="USER")
+    for what in ("password", "token"):
+        trust.add_argument(f"--discover-{what}-file", default=None, metavar="PATH")
+        trust.add_argument(f"--discover-{what}-env", default=None, metavar="NAME")
+    trust.add_argument(
+        "--discover-ca-file", default=None, metavar="PATH", help="CA bundle for a TLS store"
+    )
+    trust.add_argument(
+        "--discover-cert-file", default=None, metavar="PATH", help="client certificate (TLS)"
+    )
+    trust.add_argument(
+        "--discover-key-file", default=None, metavar="PATH", help="its private key (TLS)"
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ProxyConfig:
@@ -183,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logger.info(startup_line(cfg))
+    for warning in startup_warnings(cfg):
+        logger.warning(warning)
     _run(serve(cfg))
 
 
@@ -195,6 +274,23 @@ def startup_line(cfg: ProxyConfig) -> str:
         f"policy {cfg.policy.value}"
         + (f", discovering backends in {cfg.discover}" if cfg.discover else "")
     )
+
+
+def startup_warnings(cfg: ProxyConfig) -> list[str]:
+    """What a user should change in the command line it gave."""
+    warnings = []
+    if cfg.api_key is not None:
+        warnings.append(
+            "--api-key puts the key in the process arguments, which every user of this host "
+            "can read (ps, /proc/PID/cmdline); use --api-key-file PATH or --api-key-env NAME"
+        )
+    if cfg.discover is not None and not cfg.auth_keys():
+        warnings.append(
+            "--discover without --auth-secret-file/--auth-secret-env: registry records are not "
+            "verified, so discovered backends get no Authorization header (neither the "
+            "client's nor $OPENAI_API_KEY)"
+        )
+    return warnings
 
 
 def _run(main_coro: Coroutine[Any, Any, None]) -> None:

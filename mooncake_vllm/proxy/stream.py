@@ -18,14 +18,19 @@ from mooncake_vllm.proxy import rewrite
 from mooncake_vllm.proxy.errors import classify
 from mooncake_vllm.proxy.failover import Backends, InFlight, RequestContext
 from mooncake_vllm.proxy.legs import OpenDecode
+from mooncake_vllm.proxy.limits import ClientSlot
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 
 
-def _abandon(response: aiohttp.ClientResponse, in_flight: InFlight) -> None:
+def _abandon(
+    response: aiohttp.ClientResponse, in_flight: InFlight, client_slot: ClientSlot | None
+) -> None:
     # close(), not release(): the connection must drop so vLLM notices and aborts the request.
     response.close()
     in_flight.release()
+    if client_slot is not None:
+        client_slot.release()
 
 
 class DecodeStream:
@@ -33,7 +38,8 @@ class DecodeStream:
 
     Quart iterates it and calls ``aclose()`` when the response ends or the client disconnects
     (the handler task is cancelled). If the response is dropped before Quart starts iterating,
-    the finalizer still closes the decode connection and releases the in-flight count.
+    the finalizer still closes the decode connection and releases the in-flight count. The
+    client's slot under ``--client-*`` limits is the stream's too: the request ends with it.
     """
 
     def __init__(self, backends: Backends, leg: OpenDecode, ctx: RequestContext) -> None:
@@ -43,7 +49,9 @@ class DecodeStream:
         self._first_byte_seen = False
         self._at_event_boundary = True
         self._finished = False
-        self._close = weakref.finalize(self, _abandon, leg.response, leg.in_flight)
+        if ctx.client_slot is not None:
+            ctx.client_slot.hand_over()  # the route returns now; the stream lasts longer
+        self._close = weakref.finalize(self, _abandon, leg.response, leg.in_flight, ctx.client_slot)
 
     def __aiter__(self) -> DecodeStream:
         return self
