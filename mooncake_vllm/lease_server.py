@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -37,7 +38,7 @@ from mooncake_vllm.leases import LeaseTable
 from mooncake_vllm.local_channels import WakeSender
 from mooncake_vllm.os_threads import latency_zmq_context, make_latency_critical, name_this_thread
 from mooncake_vllm.protocol import MemSegment
-from mooncake_vllm.side_channel import SideChannelError, SideChannelServer
+from mooncake_vllm.side_channel import PeerGuard, SideChannelError, SideChannelServer
 
 logger = logging.getLogger("mooncake_vllm.lease_server")
 
@@ -49,10 +50,9 @@ _PR_SET_PDEATHSIG = 1
 # A failing loop logs at most this often (with the count), pausing between attempts.
 _ERROR_LOG_INTERVAL_S = 60.0
 _ERROR_PAUSE_S = 0.1
-# Test hook (tests/test_new_user_setup.py): freeze the producer's worker once the lease of a
-# transfer whose id starts with this prefix is granted, before the grant is sent (so no read can
-# beat the freeze), as a producer stopped mid-pull would. Unset: off.
-_FREEZE_PREFIX_ENV = "MOONCAKE_VLLM_TEST_FREEZE_AFTER_GRANT"
+# Dropped side-channel frames: reported to the engine core and logged at most this often.
+_DROP_REPORT_INTERVAL_S = 1.0
+_DROP_LOG_INTERVAL_S = 10.0
 
 
 class RankLayout(msgspec.Struct, frozen=True):
@@ -78,6 +78,10 @@ class Start(msgspec.Struct, tag="start", frozen=True, kw_only=True):
     budget_bytes: int
     pull_hold_s: float
     wake_endpoint: str  # the engine core's wake-up socket (``local_channels``)
+    keys: list[bytes] = []  # the shared secret (``auth``); over the private socket pair only
+    max_frame_bytes: int = 1 << 20
+    peer_rate: float = 2000.0
+    max_peers: int = 256
 
 
 class Layouts(msgspec.Struct, tag="layouts", frozen=True):
@@ -89,6 +93,7 @@ class Hold(msgspec.Struct, tag="hold", frozen=True):
     transfer_id: str
     block_ids: list[int]
     table_bytes: list[int]  # the lease's bytes in table t
+    max_readers: int = 1  # consumer ranks that may share the lease
 
 
 class Stop(msgspec.Struct, tag="stop", frozen=True):
@@ -107,8 +112,12 @@ class Ended(msgspec.Struct, tag="ended", frozen=True):
     reasons: dict[str, int]  # leases ended in table 0, by reason
 
 
+class Dropped(msgspec.Struct, tag="dropped", frozen=True):
+    counts: dict[str, int]  # side-channel frames dropped since the last report, by reason
+
+
 Command = Start | Layouts | Hold | Stop
-Report = Ready | Ended
+Report = Ready | Ended | Dropped
 _encoder = msgspec.msgpack.Encoder()
 command_decoder = msgspec.msgpack.Decoder(Command)
 report_decoder = msgspec.msgpack.Decoder(Report)
@@ -130,7 +139,6 @@ class LeaseServer:
             LeaseTable(start.ttl_s, start.budget_bytes, start.pull_hold_s)
             for _ in range(start.tables)
         ]
-        freeze_prefix = os.environ.get(_FREEZE_PREFIX_ENV, "")
         self._ctx = latency_zmq_context()
         self._servers: list[SideChannelServer] = []
         try:
@@ -145,7 +153,9 @@ class LeaseServer:
                             self._layouts[r].segments,
                         ),
                         context=self._ctx,
-                        on_grant=self._freezer(rank, freeze_prefix) if freeze_prefix else None,
+                        keys=tuple(start.keys),
+                        guard=PeerGuard(start.peer_rate, start.max_peers),
+                        max_frame_bytes=start.max_frame_bytes,
                         on_unknown=self._read_commands,
                         on_release=self._report,
                     )
@@ -154,6 +164,8 @@ class LeaseServer:
             self._close()
             raise
         self._waker = WakeSender(start.wake_endpoint)
+        self._dropped_at = self._logged_at = time.monotonic()
+        self._unlogged: Counter[str] = Counter()  # dropped frames not logged yet, by reason
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -171,6 +183,7 @@ class LeaseServer:
                     for table in self._tables:
                         table.expire()
                     self._report()
+                    self._report_dropped()
                     if errors:
                         logger.info("recovered after %d errors", errors)
                     errors = 0
@@ -185,6 +198,10 @@ class LeaseServer:
 
     def _poll_timeout_ms(self) -> int | None:
         deadlines = [d for t in self._tables if (d := t.next_deadline_s()) is not None]
+        if any(srv.guard.dropped for srv in self._servers):  # a report is due even if all is quiet
+            deadlines.append(self._dropped_at + _DROP_REPORT_INTERVAL_S)
+        if self._unlogged:
+            deadlines.append(self._logged_at + _DROP_LOG_INTERVAL_S)
         if not deadlines:
             return None  # no lease can expire: sleep until a message
         return max(0, int(1000 * (min(deadlines) - time.monotonic())) + 1)
@@ -196,7 +213,9 @@ class LeaseServer:
                 cmd = command_decoder.decode(self._conn.recv_bytes())
                 if isinstance(cmd, Hold):
                     for table, nbytes in zip(self._tables, cmd.table_bytes, strict=True):
-                        table.add(cmd.req_id, cmd.transfer_id, cmd.block_ids, nbytes)
+                        table.add(
+                            cmd.req_id, cmd.transfer_id, cmd.block_ids, nbytes, cmd.max_readers
+                        )
                 elif isinstance(cmd, Layouts):
                     self._layouts = list(cmd.ranks)
                 elif isinstance(cmd, Stop):
@@ -217,12 +236,31 @@ class LeaseServer:
             return
         self._waker.wake()
 
-    def _freezer(self, rank: int, prefix: str):
-        def freeze(transfer_id: str) -> None:
-            if transfer_id.startswith(prefix):
-                os.kill(self._layouts[rank].worker_pid, signal.SIGSTOP)
-
-        return freeze
+    def _report_dropped(self) -> None:
+        """Dropped side-channel frames: their counts to the engine core (for ``/metrics``) at
+        most every ``_DROP_REPORT_INTERVAL_S``, and one log line with the counts at most every
+        ``_DROP_LOG_INTERVAL_S``: abuse never costs a line per frame."""
+        now = time.monotonic()
+        if now < self._dropped_at + _DROP_REPORT_INTERVAL_S:
+            return
+        self._dropped_at = now
+        counts: Counter[str] = Counter()
+        for srv in self._servers:
+            counts.update(srv.guard.take_dropped())
+            srv.guard.forget_idle()
+        self._unlogged.update(counts)
+        if counts:
+            try:
+                self._conn.send_bytes(encode(Dropped(dict(counts))))
+            except OSError:
+                self._stopping = True
+        if self._unlogged and now >= self._logged_at + _DROP_LOG_INTERVAL_S:
+            logger.warning(
+                "dropped %d side-channel frames in the last %.0f s: %s",
+                sum(self._unlogged.values()), now - self._logged_at,
+                ", ".join(f"{n} {why}" for why, n in self._unlogged.most_common()),
+            )  # fmt: skip
+            self._unlogged, self._logged_at = Counter(), now
 
     def _close(self) -> None:
         for srv in self._servers:

@@ -30,8 +30,10 @@ import time
 from collections import Counter
 from multiprocessing.connection import Connection
 
+from mooncake_vllm.auth import is_loopback
 from mooncake_vllm.config import ConnectorConfig
 from mooncake_vllm.lease_server import (
+    Dropped,
     Ended,
     Hold,
     Layouts,
@@ -50,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 # Python's start-up and the imports of zmq and msgspec take well under a second.
 _START_TIMEOUT_S = 30.0
+# An MLA latent's lease is shared by every consumer rank: at most this many (a TP size).
+MAX_REPLICATED_READERS = 64
 
 
 class LeaseService:
@@ -57,6 +61,15 @@ class LeaseService:
         s = cfg.settings
         self._tp_size = cfg.tp_size
         self._tables = 1 if kv_replicated else cfg.tp_size
+        self._max_readers = MAX_REPLICATED_READERS if kv_replicated else 1
+        self._dropped: Counter[str] = Counter()
+        keys = s.auth_keys()
+        if not keys and not is_loopback(cfg.host):
+            logger.warning(
+                "the side channel listens on %s with no shared secret: anyone who can reach it "
+                "can send it frames. Set auth_secret_file or auth_secret_env on both sides "
+                "(docs/security.md)", cfg.host,
+            )  # fmt: skip
         # A pinned lease outlives the consumer's whole pull: its last attempt ends by the
         # deadline plus one stall timeout.
         self._pull_hold_s = s.load_timeout_s + s.stall_timeout_s + 5.0
@@ -85,6 +98,10 @@ class LeaseService:
             budget_bytes=s.kv_buffer_size,
             pull_hold_s=self._pull_hold_s,
             wake_endpoint=wake_endpoint,
+            keys=list(keys),
+            max_frame_bytes=s.side_channel_max_frame_bytes,
+            peer_rate=s.side_channel_peer_rate,
+            max_peers=s.side_channel_max_peers,
         )
         try:
             self._conn.send_bytes(encode(start))
@@ -114,7 +131,13 @@ class LeaseService:
         no consumer could pull it."""
         n = len(block_ids)
         per_rank = [n * self._layouts[r].bytes_per_block for r in range(self._tp_size)]
-        hold = Hold(req_id, transfer_id, block_ids, table_bytes=per_rank[: self._tables])
+        hold = Hold(
+            req_id,
+            transfer_id,
+            block_ids,
+            table_bytes=per_rank[: self._tables],
+            max_readers=self._max_readers,
+        )
         if not (self._alive() and self._send(hold)):
             return False
         with self._lock:
@@ -140,6 +163,13 @@ class LeaseService:
             out, self._reasons = dict(self._reasons), Counter()
             return out
 
+    def take_dropped_counts(self) -> dict[str, int]:
+        """Side-channel frames the lease server dropped since the last call, by reason."""
+        self._read_reports()
+        with self._lock:
+            out, self._dropped = dict(self._dropped), Counter()
+            return out
+
     @property
     def held_count(self) -> int:
         self._read_reports()
@@ -158,6 +188,8 @@ class LeaseService:
                     report = report_decoder.decode(self._conn.recv_bytes())
                     if isinstance(report, Ended):
                         self._apply(report)
+                    elif isinstance(report, Dropped):
+                        self._dropped.update(report.counts)
             except (EOFError, OSError):
                 self._lost()
 

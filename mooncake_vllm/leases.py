@@ -16,6 +16,11 @@ serves all producer ranks, and the first ``Acquire`` says how many consumer rank
 ends when all its readers have released it; until then it stays pinned (or expires at the pull
 deadline if a reader never comes).
 
+Ownership: an ``Acquire`` must name exactly the hold's blocks and carries a random owner token;
+only a ``Release`` with the token of an acquire of that lease ends it (a stranger who never
+acquired, or who guessed nothing, changes nothing). ``readers`` is bounded by the hold's
+``max_readers`` (1 for a per-rank table) and fixed by the first acquire.
+
 Used by the lease server's one thread (``lease_server``); locked all the same.
 """
 
@@ -26,7 +31,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from mooncake_vllm.auth import short_id
 
 
 class LeaseState(enum.Enum):
@@ -44,10 +51,19 @@ class Lease:
     deadline_s: float
     state: LeaseState = LeaseState.HELD
     end_reason: str = ""
+    max_readers: int = 1  # the most consumer ranks the hold allows
     readers: int = 1  # consumer ranks that pull it, set by the first acquire
-    acquired: int = 0
-    released: int = 0
+    owners: set[bytes] = field(default_factory=set)  # owner tokens of its acquires
+    released_by: set[bytes] = field(default_factory=set)
     failed: bool = False  # a reader released it with its pull failed
+
+    @property
+    def acquired(self) -> int:
+        return len(self.owners)
+
+
+class NotOwner(Exception):
+    """A release from a peer that did not acquire the lease: ignored, and counted."""
 
 
 class LeaseTable:
@@ -70,48 +86,62 @@ class LeaseTable:
         self._finished_req_ids: set[str] = set()
         self.ended_counts: dict[str, int] = {}
 
-    def add(self, req_id: str, transfer_id: str, block_ids: list[int], nbytes: int) -> None:
+    def add(
+        self, req_id: str, transfer_id: str, block_ids: list[int], nbytes: int, max_readers: int = 1
+    ) -> None:
         with self._lock:
             old = self._live.get(transfer_id)
             if old is not None:
                 self._end(old, "superseded")
             self._live[transfer_id] = Lease(
-                req_id, transfer_id, list(block_ids), nbytes, self._clock() + self._ttl_s
+                req_id,
+                transfer_id,
+                list(block_ids),
+                nbytes,
+                self._clock() + self._ttl_s,
+                max_readers=max_readers,
             )
             self._enforce_budget()
 
     def acquire(
-        self, transfer_id: str, block_ids: list[int], readers: int = 1
+        self, transfer_id: str, block_ids: list[int], owner: bytes, readers: int = 1
     ) -> Lease | str | None:
-        """The lease, now PULLING; or a refusal reason; or None if the id is unknown.
-
-        ``readers`` (from the first acquire): how many acquires the lease grants in all."""
+        """The lease, now PULLING; or a refusal reason; or None if the id is unknown."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
                 reason = self._ended.get(transfer_id)
-                return f"transfer {transfer_id} already {reason}" if reason else None
-            if lease.state is LeaseState.PULLING and lease.acquired >= lease.readers:
-                return f"transfer {transfer_id} is already being pulled"
-            if not set(block_ids) <= set(lease.block_ids):
-                return f"transfer {transfer_id}: requested blocks are not part of the lease"
-            if lease.state is LeaseState.HELD:
-                lease.readers = max(1, readers)
-            lease.acquired += 1
+                return f"transfer {short_id(transfer_id)} already {reason}" if reason else None
+            if list(block_ids) != lease.block_ids:
+                return f"transfer {short_id(transfer_id)}: the blocks are not the lease's"
+            if not 1 <= readers <= lease.max_readers:
+                return f"readers={readers} outside 1..{lease.max_readers}"
+            if lease.state is LeaseState.PULLING:
+                if readers != lease.readers:
+                    return f"readers={readers}, the lease was acquired for {lease.readers}"
+                if lease.acquired >= lease.readers or owner in lease.owners:
+                    return f"transfer {short_id(transfer_id)} is already being pulled"
+            lease.readers = readers
+            lease.owners.add(owner)
             lease.state = LeaseState.PULLING
             lease.deadline_s = self._clock() + self._pull_hold_s
             return lease
 
-    def release(self, transfer_id: str, ok: bool = True) -> bool:
-        """A reader is done (``ok`` false: its pull failed). The lease ends with the last
-        reader's release, or at once if nobody acquired it (the consumer needs nothing)."""
+    def release(self, transfer_id: str, owner: bytes, ok: bool = True) -> bool:
+        """A reader is done (``ok`` false: its pull failed); the lease ends with the last
+        reader's release. False if the lease is not live (already ended, or unknown): nothing
+        to do. Raises ``NotOwner`` if ``owner`` acquired no share of it."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
                 return False
-            lease.released += 1
+            if owner not in lease.owners:
+                raise NotOwner(transfer_id)
+            if owner in lease.released_by:
+                return True
+            lease.released_by.add(owner)
             lease.failed = lease.failed or not ok
-            if lease.state is LeaseState.HELD or lease.released >= lease.readers:
+            if len(lease.released_by) >= lease.readers:
                 self._end(lease, "pull failed" if lease.failed else "released")
             return True
 

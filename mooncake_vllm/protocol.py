@@ -174,9 +174,11 @@ def decode_serving(data: bytes) -> ServingRecord:
 
 
 # ---- side-channel frames -------------------------------------------------------------------
-# The frame version is part of every tag ("acquire/1"): a peer speaking another version gets its
-# frames dropped as malformed (and logged), never misread.
-FRAME_VERSION = 1
+# The frame version is part of every tag ("acquire/2"): a peer speaking another version gets its
+# frames dropped as malformed (and counted), never misread.
+FRAME_VERSION = 2
+# Owner tokens: random per pull, so only the peer that acquired a lease can release it.
+OWNER_BYTES = 16
 
 
 def _tag(kind: str) -> str:
@@ -194,12 +196,16 @@ class MemSegment(msgspec.Struct, frozen=True, array_like=True):
 class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     """Consumer → producer: pin the lease and tell me where its blocks are.
 
-    ``readers``: how many consumer ranks will pull this lease (and each release it). 1 for
-    per-head K/V (rank r pulls rank r's shard); the consumer's TP size for an MLA latent, which
-    every producer rank holds whole, so all consumer ranks share one lease (``LeaseTable``)."""
+    ``remote_block_ids``: exactly the blocks of the hold (the handoff's), even when the consumer
+    reads fewer (a local prefix-cache hit). ``owner``: a random token of this pull; only a
+    ``Release`` carrying it ends the lease. ``readers``: how many consumer ranks will pull this
+    lease (and each release it). 1 for per-head K/V (rank r pulls rank r's shard); the consumer's
+    TP size for an MLA latent, which every producer rank holds whole, so all consumer ranks share
+    one lease (``LeaseTable``)."""
 
     transfer_id: str
     remote_block_ids: list[int]
+    owner: bytes
     readers: int = 1
 
 
@@ -215,10 +221,12 @@ class Refused(msgspec.Struct, tag=_tag("refused"), frozen=True):
 
 
 class Release(msgspec.Struct, tag=_tag("release"), frozen=True):
-    """Consumer → producer: done with the blocks (``ok`` false when the pull failed)."""
+    """Consumer → producer: done with the blocks (``ok`` false when the pull failed). Honoured
+    only with the ``owner`` token of an ``Acquire`` of this lease."""
 
     transfer_id: str
     ok: bool
+    owner: bytes
 
 
 class Released(msgspec.Struct, tag=_tag("released"), frozen=True):

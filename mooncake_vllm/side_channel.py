@@ -1,9 +1,15 @@
 """The side channel between a consumer worker and the producer engine, one per producer TP rank.
 
 ZeroMQ ROUTER on the producer (served by its lease server process, see ``lease_server``), one
-DEALER per peer on the consumer; frames from ``protocol``. The producer answers ``Acquire`` with
-the rank's memory layout (or a refusal) and ``Release`` with ``Released``. A lease exists before
-its handoff leaves the producer, so an unknown transfer id is refused at once.
+DEALER per peer on the consumer; frames from ``protocol``, sealed with the shared secret when one
+is configured (``auth``). The producer answers ``Acquire`` with the rank's memory layout (or a
+refusal) and ``Release`` with ``Released``. A lease exists before its handoff leaves the producer,
+so an unknown transfer id is refused at once.
+
+Nothing a peer sends can hurt another peer's requests: a frame that does not verify, is too big,
+comes too fast or from one peer too many is dropped and counted (``PeerGuard``), and the log says
+so at most once per ``_DROP_LOG_INTERVAL_S`` with the counts; a ``Release`` is honoured only from
+the peer that acquired the lease (``leases``).
 """
 
 from __future__ import annotations
@@ -11,12 +17,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import msgspec
 import zmq
 
-from mooncake_vllm.leases import Lease, LeaseTable
+from mooncake_vllm.auth import REPLY, REQUEST, AuthError, Keys, ReplayGuard, open_frame, seal_frame
+from mooncake_vllm.auth import short_id as short
+from mooncake_vllm.leases import Lease, LeaseTable, NotOwner
 from mooncake_vllm.os_threads import latency_critical_section, latency_zmq_context
 from mooncake_vllm.protocol import (
     Acquire,
@@ -32,9 +41,65 @@ from mooncake_vllm.protocol import (
 
 logger = logging.getLogger(__name__)
 
+# Dropped frames are logged at most this often, with the counts since the last line.
+_DROP_LOG_INTERVAL_S = 10.0
+# Messages ZeroMQ queues per peer before it stops reading that peer's connection.
+_PEER_QUEUE = 64
+# A peer silent this long leaves the guard's table.
+_PEER_IDLE_S = 60.0
+
 
 class SideChannelError(RuntimeError):
     pass
+
+
+class PeerGuard:
+    """Bounds what side-channel peers can make the producer do: per-peer frame rate (a token
+    bucket with a burst of two seconds' worth), at most ``max_peers`` peers tracked (the least
+    recently heard goes first, so a flood of new sockets cannot lock a real consumer out), and
+    the counts of what was dropped, by reason. Pure: the clock is injected."""
+
+    def __init__(
+        self,
+        rate_per_s: float,
+        max_peers: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._rate, self._burst = rate_per_s, 2 * rate_per_s
+        self._max_peers = max_peers
+        self._clock = clock
+        self._peers: OrderedDict[bytes, list[float]] = OrderedDict()  # id -> [tokens, at]
+        self.dropped: Counter[str] = Counter()
+
+    def admit(self, identity: bytes) -> bool:
+        now = self._clock()
+        bucket = self._peers.pop(identity, None)
+        if bucket is None:
+            bucket = [self._burst, now]
+            while len(self._peers) >= self._max_peers:
+                self._peers.popitem(last=False)
+                self.dropped["peers evicted"] += 1
+        tokens = min(self._burst, bucket[0] + (now - bucket[1]) * self._rate)
+        self._peers[identity] = bucket  # most recently heard last
+        if tokens < 1:
+            bucket[:] = [tokens, now]
+            self.dropped["rate limited"] += 1
+            return False
+        bucket[:] = [tokens - 1, now]
+        return True
+
+    def forget_idle(self) -> None:
+        cutoff = self._clock() - _PEER_IDLE_S
+        while self._peers and next(iter(self._peers.values()))[1] < cutoff:
+            self._peers.popitem(last=False)
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] += 1
+
+    def take_dropped(self) -> dict[str, int]:
+        out, self.dropped = dict(self.dropped), Counter()
+        out.pop("peers evicted", None)  # not a dropped frame
+        return out
 
 
 class SideChannelServer:
@@ -43,7 +108,8 @@ class SideChannelServer:
 
     ``on_unknown``: called before an unknown transfer id is refused, to take in holds the engine
     core has sent but the loop has not read yet (a hold is sent before its handoff leaves).
-    ``on_release``: called after a release, before the consumer hears of it."""
+    ``on_release``: called after a release, before the consumer hears of it.
+    ``on_grant``: called with the transfer id right before a ``Granted`` is sent."""
 
     def __init__(
         self,
@@ -53,17 +119,27 @@ class SideChannelServer:
         layout: Callable[[], tuple[str, list[MemSegment]]],
         *,
         context: zmq.Context,
+        keys: Keys = (),
+        guard: PeerGuard | None = None,
+        max_frame_bytes: int = 1 << 20,
         on_grant: Callable[[str], None] | None = None,
         on_unknown: Callable[[], None] = lambda: None,
         on_release: Callable[[], None] = lambda: None,
     ):
         self._leases = leases
         self._layout = layout
+        self._keys = keys
+        self._replays = ReplayGuard()
+        self.guard = guard if guard is not None else PeerGuard(2000.0, 256)
         self._on_grant = on_grant
         self._on_unknown = on_unknown
         self._on_release = on_release
         self.sock = context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # ZeroMQ itself disconnects a peer whose message is larger, and stops reading a peer's
+        # connection once this many of its messages wait.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.sock.setsockopt(zmq.RCVHWM, _PEER_QUEUE)
         try:
             self.sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
@@ -77,28 +153,45 @@ class SideChannelServer:
     def serve_ready(self) -> None:
         """Answers every frame that has arrived; never blocks."""
         while self.sock.poll(0):
-            identity, payload = self.sock.recv_multipart()[:2]
-            self._handle(identity, payload)
+            parts = self.sock.recv_multipart(copy=True)
+            if len(parts) != 2:  # a DEALER sends one part; the ROUTER adds the identity
+                self.guard.drop("malformed")
+                continue
+            identity, payload = parts
+            if self.guard.admit(identity):
+                self._handle(identity, payload)
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         try:
-            frame = decode_frame(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            logger.warning("dropping malformed side-channel frame (%d bytes): %s", len(payload), e)
+            body, time_ms, nonce = open_frame(self._keys, payload, REQUEST)
+            if self._keys:
+                self._replays.check(time_ms, nonce)
+            frame = decode_frame(body)
+        except AuthError as e:
+            self.guard.drop(str(e))
+            return
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.guard.drop("malformed")
             return
         if isinstance(frame, Acquire):
-            self._answer_acquire(identity, frame)
+            self._answer_acquire(identity, nonce, frame)
         elif isinstance(frame, Release):
-            self._leases.release(frame.transfer_id, frame.ok)
+            try:
+                self._leases.release(frame.transfer_id, frame.owner, frame.ok)
+            except NotOwner:
+                self.guard.drop("release by a non-owner")
+                return
             self._on_release()
-            self._send(identity, Released(frame.transfer_id))
+            self._send(identity, nonce, Released(frame.transfer_id))
         else:
-            logger.warning("dropping unexpected side-channel frame %s", type(frame).__name__)
+            self.guard.drop("unexpected frame")
 
     def _acquire(self, frame: Acquire) -> Lease | str | None:
-        return self._leases.acquire(frame.transfer_id, frame.remote_block_ids, frame.readers)
+        return self._leases.acquire(
+            frame.transfer_id, frame.remote_block_ids, frame.owner, frame.readers
+        )
 
-    def _answer_acquire(self, identity: bytes, frame: Acquire) -> None:
+    def _answer_acquire(self, identity: bytes, nonce: bytes, frame: Acquire) -> None:
         got = self._acquire(frame)
         if got is None:
             self._on_unknown()
@@ -107,13 +200,19 @@ class SideChannelServer:
             segment, segments = self._layout()
             if self._on_grant is not None:
                 self._on_grant(frame.transfer_id)
-            self._send(identity, Granted(frame.transfer_id, segment, segments))
+            self._send(identity, nonce, Granted(frame.transfer_id, segment, segments))
         else:
-            reason = got or f"unknown transfer id {frame.transfer_id}"
-            self._send(identity, Refused(frame.transfer_id, reason))
+            if got is None:
+                self.guard.drop("unknown transfer id")
+            reason = got or f"unknown transfer id {short(frame.transfer_id)}"
+            self._send(identity, nonce, Refused(frame.transfer_id, reason))
 
-    def _send(self, identity: bytes, frame: Frame) -> None:
-        self.sock.send_multipart([identity, encode_frame(frame)])
+    def _send(self, identity: bytes, nonce: bytes, frame: Frame) -> None:
+        sealed, _ = seal_frame(self._keys, encode_frame(frame), REPLY, nonce)
+        try:
+            self.sock.send_multipart([identity, sealed], zmq.NOBLOCK)
+        except zmq.Again:  # the peer does not read its replies: its problem, not the loop's
+            self.guard.drop("peer not reading")
 
     def close(self) -> None:
         self.sock.close()
@@ -127,14 +226,16 @@ class SideChannelClient:
     Replies are matched by transfer id, so a late reply to a timed-out call is skipped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keys: Keys = ()) -> None:
+        self._keys = keys
+        self.rejected = 0  # replies dropped: malformed or not verifying (read by the worker)
         self._ctx = latency_zmq_context()
         self._idle: dict[str, list[zmq.Socket]] = {}
-        self._guard = threading.Lock()
+        self.guard = threading.Lock()
         self._closed = False
 
     def _checkout(self, address: str) -> zmq.Socket:
-        with self._guard:
+        with self.guard:
             if self._closed:
                 raise SideChannelError("side-channel client is closed")
             idle = self._idle.setdefault(address, [])
@@ -146,7 +247,7 @@ class SideChannelClient:
         return sock
 
     def _checkin(self, address: str, sock: zmq.Socket) -> None:
-        with self._guard:
+        with self.guard:
             if self._closed:
                 sock.close()
             else:
@@ -156,14 +257,21 @@ class SideChannelClient:
         sock = self._checkout(address)
         try:
             with latency_critical_section():
-                sock.send(encode_frame(frame))
+                sealed, nonce = seal_frame(self._keys, encode_frame(frame), REQUEST)
+                sock.send(sealed)
                 deadline = time.monotonic() + timeout_s
                 while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
                     if not sock.poll(left_ms):
                         break
                     try:
-                        reply = decode_frame(sock.recv())
+                        reply = decode_frame(open_frame(self._keys, sock.recv(), REPLY, nonce)[0])
+                    except AuthError as e:  # not an answer to this request: keep waiting
+                        self.rejected += 1
+                        logger.debug("dropping a reply from %s that does not verify (%s)",
+                                     address, e)  # fmt: skip
+                        continue
                     except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                        self.rejected += 1
                         logger.warning("dropping malformed reply from %s: %s", address, e)
                         continue
                     if getattr(reply, "transfer_id", None) == frame.transfer_id:
@@ -175,7 +283,7 @@ class SideChannelClient:
             self._checkin(address, sock)
 
     def close(self) -> None:
-        with self._guard:
+        with self.guard:
             self._closed = True
             for socks in self._idle.values():
                 for sock in socks:

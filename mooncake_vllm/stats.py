@@ -17,7 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 _COUNTERS = ("pulls", "pull_failures", "bytes", "blocks", "entries", "released", "expired",
-             "evicted", "refused", "retries", "stalls", "acquire_s", "read_s")  # fmt: skip
+             "evicted", "refused", "retries", "stalls", "rejected_frames", "acquire_s",
+             "read_s")  # fmt: skip
 # Per-pull samples, one list each, observed into the histograms below.
 _SAMPLES = ("durations_s", "acquires_s", "reads_s")
 # Point-in-time producer figures (None: not reported): aggregation keeps the newest value.
@@ -111,6 +112,11 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                 ("refused", "pulls the producer refused (unknown, ended or foreign blocks)"),
                 ("retries", "transfer-engine entries read again after a failed attempt"),
                 ("stalls", "entry attempts the engine dropped for making no progress"),
+                (
+                    "rejected_frames",
+                    "side-channel frames dropped: not verifying, replayed, "
+                    "malformed, too fast, or a release from a peer that did not acquire",
+                ),
             )
         }
         buckets = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30]

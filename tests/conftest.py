@@ -6,6 +6,7 @@ import pytest
 
 from harness import servers
 from harness.tiny_model import build_tiny_model
+from mooncake_vllm.auth import new_secret
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -82,7 +83,13 @@ def cluster(tiny_model, tmp_path_factory):
         start_many,
     )
 
-    cfg = mooncake_json(tmp_path_factory.mktemp("pd") / "mooncake.json")
+    # The shared pair runs with a shared secret, as a cluster reachable by others should: every
+    # test on it goes through the authenticated side channel (the one-address new-user setup
+    # and the other modules' own pairs run without one).
+    tmp = tmp_path_factory.mktemp("pd")
+    secret = tmp / "secret"
+    secret.write_text(new_secret() + "\n")
+    cfg = mooncake_json(tmp / "mooncake.json", auth_secret_file=str(secret))
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     specs = [
         # The plain reference runs its worker in the engine-core process: one import less.
@@ -105,14 +112,20 @@ def cluster(tiny_model, tmp_path_factory):
     # It selects the connector the explicit way, with vLLM's plugins off, so that form is proven.
     both_args = kv_args(
         "kv_both",
-        {"prefill_url": "127.0.0.4:13020", "load_timeout_s": LOAD_TIMEOUT_S},
+        {
+            "prefill_url": "127.0.0.4:13020",
+            "load_timeout_s": LOAD_TIMEOUT_S,
+            # It pulls from the pair's prefill and itself only: a handoff naming another
+            # producer is refused (tests/test_hostile_peers_e2e.py).
+            "trusted_producers": [PREFILL_HOST, "127.0.0.4"],
+        },
         kv_load_failure_policy="fail",
         kv_connector_module_path="mooncake_vllm.connector",
     )
     both_args += ["--distributed-executor-backend", "uni"]
     specs.append(ServerSpec("both", "127.0.0.4", both_args, {**env, "VLLM_PLUGINS": ""}))
     started = start_many(tiny_model, specs)
-    c = Cluster(tiny_model, *started, config_path=cfg)
+    c = Cluster(tiny_model, *started, config_path=cfg, secret_path=secret)
     yield c
     if c.dump_logs:
         for srv in started:
@@ -123,10 +136,10 @@ def cluster(tiny_model, tmp_path_factory):
 
 
 class Cluster:
-    def __init__(self, model, plain, prefill, decode, both, config_path):
+    def __init__(self, model, plain, prefill, decode, both, config_path, secret_path):
         self.model, self.plain, self.prefill, self.decode = model, plain, prefill, decode
         self.both = both
-        self.config_path = config_path
+        self.config_path, self.secret_path = config_path, secret_path
         self.lease_ttl_s, self.load_timeout_s = LEASE_TTL_S, LOAD_TIMEOUT_S
         self.dump_logs = False
 
