@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,10 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.tls import Pki
 
 _running: set[ManagedProcess] = set()
 _running_lock = threading.Lock()
@@ -151,9 +156,16 @@ def stop_all() -> None:
 atexit.register(stop_all)
 
 
-def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+def _http_ok(url: str, timeout_s: float = 2.0, context: ssl.SSLContext | None = None) -> bool:
+    with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
         return resp.status == 200
+
+
+def _client_context(pki: Pki) -> ssl.SSLContext:
+    """A client that trusts ``pki``'s CA and presents its client certificate."""
+    context = ssl.create_default_context(cafile=str(pki.ca_cert))
+    context.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    return context
 
 
 def http_json(url: str, body: dict | None = None, timeout_s: float = 120.0) -> dict:
@@ -330,13 +342,30 @@ def _port_open(host: str, port: int) -> bool:
         return True
 
 
-def start_redis(host: str = "127.0.0.1", port: int | None = None, log_dir: Path | None = None):
+def start_redis(
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    log_dir: Path | None = None,
+    *,
+    tls: Pki | None = None,
+    extra_args: Sequence[str] = (),
+):
+    """redis-server on loopback. With ``tls`` (``harness.tls.make_pki``) it speaks only TLS on
+    ``port``, with ``tls``'s server certificate, and requires a client certificate of its CA.
+    ``extra_args`` are more redis-server options (e.g. ``--requirepass``, test passwords only)."""
     port = port or free_port(host)
     data_dir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-redis-"))
     argv = [
-        "redis-server", "--bind", host, "--port", str(port), "--dir", str(data_dir),
-        "--save", "", "--appendonly", "no", "--protected-mode", "no",
+        "redis-server", "--bind", host, "--port", "0" if tls else str(port),
+        "--dir", str(data_dir), "--save", "", "--appendonly", "no", "--protected-mode", "no",
     ]  # fmt: skip
+    if tls is not None:
+        argv += [
+            "--tls-port", str(port), "--tls-cert-file", str(tls.server_cert),
+            "--tls-key-file", str(tls.server_key), "--tls-ca-cert-file", str(tls.ca_cert),
+            "--tls-auth-clients", "yes",
+        ]  # fmt: skip
+    argv += list(extra_args)
     log = (log_dir or default_log_dir()) / f"redis-{host}-{port}.log"
     proc = ManagedProcess("redis-server", argv, log).start()
     proc.wait_until(lambda: _port_open(host, port), 30, "accepting connections")
@@ -348,21 +377,36 @@ def start_etcd(
     port: int | None = None,
     log_dir: Path | None = None,
     data_dir: Path | None = None,
+    *,
+    tls: Pki | None = None,
+    extra_args: Sequence[str] = (),
 ):
-    """etcd on loopback; pass a stopped server's ``data_dir`` to restart it with its data."""
+    """etcd on loopback; pass a stopped server's ``data_dir`` to restart it with its data.
+
+    With ``tls`` (``harness.tls.make_pki``) clients reach it by https with ``tls``'s server
+    certificate and must present a client certificate of its CA (``--client-cert-auth``).
+    ``extra_args`` are more etcd options (e.g. ``--auth-token-ttl``)."""
     port = port or free_port(host)
     peer_port = free_port(host)
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="mooncake-vllm-etcd-"))
-    client_url, peer_url = f"http://{host}:{port}", f"http://{host}:{peer_port}"
+    scheme = "https" if tls else "http"
+    client_url, peer_url = f"{scheme}://{host}:{port}", f"http://{host}:{peer_port}"
     argv = [
         "etcd", "--name", "test", "--data-dir", str(data_dir),
         "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
         "--initial-cluster", f"test={peer_url}",
     ]  # fmt: skip
+    if tls is not None:
+        argv += [
+            "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
+            "--trusted-ca-file", str(tls.ca_cert), "--client-cert-auth",
+        ]  # fmt: skip
+    argv += list(extra_args)
     log = (log_dir or default_log_dir()) / f"etcd-{host}-{port}.log"
     proc = ManagedProcess("etcd", argv, log).start()
-    proc.wait_until(lambda: _http_ok(f"{client_url}/health"), 30, "healthy")
+    context = _client_context(tls) if tls is not None else None
+    proc.wait_until(lambda: _http_ok(f"{client_url}/health", context=context), 30, "healthy")
     return KvServer(proc, host, port, data_dir)
 
 
@@ -373,9 +417,12 @@ def start_http_metadata(
     mooncakes: bool = False,
     data_dir: Path | None = None,
     log_dir: Path | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ):
     """Our http metadata server (``mooncake_vllm.metadata_server``, persisting to ``data_dir``),
-    or with ``mooncakes=True`` the one Mooncake ships (``mooncake.http_metadata_server``)."""
+    or with ``mooncakes=True`` the one Mooncake ships (``mooncake.http_metadata_server``).
+    ``extra_args`` are more options (e.g. ``--token-file``), ``env`` its environment."""
     port = port or free_port(host)
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="mooncake-vllm-http-metadata-"))
     if mooncakes:
@@ -383,10 +430,10 @@ def start_http_metadata(
     else:
         argv = [sys.executable, "-m", "mooncake_vllm.metadata_server", "--host", host]
         argv += ["--persist", str(data_dir / "metadata.json")]
-    argv += ["--port", str(port)]
+    argv += ["--port", str(port), *extra_args]
     name = "mooncake-http-metadata" if mooncakes else "http-metadata"
     log = (log_dir or default_log_dir()) / f"{name}-{host}-{port}.log"
-    proc = ManagedProcess(name, argv, log).start()
+    proc = ManagedProcess(name, argv, log, env=env).start()
     proc.wait_until(lambda: _port_open(host, port), 30, "accepting connections")
     return KvServer(proc, host, port, data_dir)
 
