@@ -12,6 +12,8 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import hmac
+import json
 import logging
 import os
 import select
@@ -28,7 +30,14 @@ from typing import Protocol
 
 from aiohttp import web
 
-from mooncake_vllm.metadata import MetadataTarget, Store, StoreUnavailable, open_store
+from mooncake_vllm.metadata import (
+    MetadataAuth,
+    MetadataTarget,
+    Store,
+    StoreUnavailable,
+    check_auth,
+    open_store,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +49,14 @@ class KeyValue(Protocol):
     async def list(self, prefix: str) -> dict[str, bytes]: ...
 
 
-def metadata_app(kv: KeyValue, path: str = "/metadata") -> web.Application:
+def metadata_app(
+    kv: KeyValue, path: str = "/metadata", token: str | None = None
+) -> web.Application:
     """The engine's http metadata protocol (plus ``ttl`` seconds on PUT, ``GET ?prefix=P`` listing
-    ``{key: base64 value}`` for discovery, and ``GET /health``)."""
+    ``{key: base64 value}`` for discovery, and ``GET /health``).
+
+    With ``token``, every request but ``GET /health`` must carry ``Authorization: Bearer
+    <token>`` and is answered 401 otherwise (the health check says nothing about the keys)."""
 
     def key_of(request: web.Request) -> str:
         key = request.query.get("key")
@@ -88,7 +102,20 @@ def metadata_app(kv: KeyValue, path: str = "/metadata") -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    app = web.Application(client_max_size=16 * 1024 * 1024)
+    @web.middleware
+    async def require_token(request: web.Request, handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {token}"
+        if request.path != "/health" and not hmac.compare_digest(given.encode(), expected.encode()):
+            return web.Response(
+                status=401,
+                text="missing or wrong bearer token (Authorization: Bearer <token>)",
+                headers={"WWW-Authenticate": 'Bearer realm="metadata"'},
+            )
+        return await handler(request)
+
+    middlewares = [require_token] if token else []
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=middlewares)
     app.router.add_get(path, get)
     app.router.add_put(path, put)
     app.router.add_delete(path, delete)
@@ -168,10 +195,16 @@ class _CachedStore:
         self.store_ok = True
 
 
-async def serve_bridge(target: MetadataTarget, ttl_s: float, parent_pid: int) -> None:
+async def serve_bridge(
+    target: MetadataTarget, ttl_s: float, parent_pid: int, auth: MetadataAuth | None = None
+) -> None:
     """Body of the bridge process: ping the store, serve, heartbeat; on SIGTERM/SIGINT or when
     the parent (the worker) is gone, delete the keys this engine owned and return."""
-    kv = _CachedStore(open_store(target), ttl_s)
+    try:
+        kv = _CachedStore(open_store(target, auth), ttl_s)
+    except ValueError as e:  # credentials that do not fit the store, or a file gone since
+        print(f"ERROR {e}", flush=True)
+        return
     try:
         await kv.store.ping()
     except StoreUnavailable as e:
@@ -205,22 +238,51 @@ class MetadataBridge:
     they wait for the metadata server, so a bridge in the same interpreter would deadlock them.
     """
 
-    def __init__(self, target: MetadataTarget, ttl_s: float = 30.0, start_timeout_s: float = 20.0):
+    def __init__(
+        self,
+        target: MetadataTarget,
+        ttl_s: float = 30.0,
+        start_timeout_s: float = 20.0,
+        auth: MetadataAuth | None = None,
+    ):
         self.target = target
+        auth = auth or MetadataAuth()
+        try:
+            check_auth(target, auth)
+        except ValueError as e:
+            raise MetadataUnavailable(
+                f"metadata_server ({target.describe()}) cannot be used: {e}"
+            ) from None
         argv = [
-            sys.executable, "-m", "mooncake_vllm.metadata_bridge", "--server",
-            ",".join(target.endpoints), "--kind", target.kind, "--ttl-s", str(ttl_s),
+            sys.executable, "-m", "mooncake_vllm.metadata_bridge", "--ttl-s", str(ttl_s),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
-        # stderr is inherited: the bridge's warnings land in the worker's log.
-        self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        # The store's address goes over stdin, not argv: a URL may carry a password, and any
+        # user can read a process's arguments. The credentials are the names of files and
+        # variables (the environment is inherited). stderr is inherited: the bridge's warnings
+        # land in the worker's log.
+        self._proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        spec = {
+            "kind": target.kind,
+            "endpoints": list(target.endpoints),
+            "tls": target.tls,
+            "auth": auth.model_dump(exclude_none=True),
+        }
+        assert self._proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self._proc.stdin.write(json.dumps(spec) + "\n")
+        with contextlib.suppress(BrokenPipeError):
+            self._proc.stdin.close()
         first = _read_line(self._proc, start_timeout_s)
         if not first.startswith("READY "):
             self.close()
             raise MetadataUnavailable(
                 f"metadata_server ({target.describe()}) cannot be used: "
-                f"{first.removeprefix('ERROR ') or 'the bridge did not start'}. Start the "
-                "server, fix metadata_server, or use 'P2PHANDSHAKE' (no metadata server)"
+                f"{first.removeprefix('ERROR ').strip() or 'the bridge did not start'}. Start "
+                "the server, fix metadata_server (or metadata_auth), or use 'P2PHANDSHAKE' (no "
+                "metadata server)"
             )
         self.url = first.split(" ", 1)[1].strip()
         self._closing = False
@@ -287,15 +349,21 @@ def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Started by ``MetadataBridge``: reads ``{"kind", "endpoints", "tls", "auth"}`` as one JSON
+    line on stdin, then says ``READY <url>`` or ``ERROR <why>`` on stdout."""
     parser = argparse.ArgumentParser(description="metadata bridge (started by the connector)")
-    parser.add_argument("--kind", required=True, choices=["etcd", "redis", "http"])
-    parser.add_argument("--server", required=True, help="endpoints, comma-separated")
     parser.add_argument("--ttl-s", type=float, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s mooncake-metadata %(message)s")
-    target = MetadataTarget(args.kind, tuple(args.server.split(",")))
-    asyncio.run(serve_bridge(target, args.ttl_s, args.parent_pid))
+    spec = json.loads(sys.stdin.readline())
+    target = MetadataTarget(spec["kind"], tuple(spec["endpoints"]), spec["tls"])
+    try:
+        auth = MetadataAuth(**spec["auth"])
+    except ValueError as e:  # a file or variable that went away since the worker checked it
+        print(f"ERROR metadata_auth: {e}", flush=True)
+        return
+    asyncio.run(serve_bridge(target, args.ttl_s, args.parent_pid, auth))
 
 
 if __name__ == "__main__":

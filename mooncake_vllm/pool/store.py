@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from mooncake_vllm.metadata import redact_url
 from mooncake_vllm.os_threads import adopt_native_threads, native_threads
 from mooncake_vllm.pool.config import PoolSettings
 
@@ -119,7 +120,8 @@ class PoolStore:
         if rc != 0:
             raise StoreError(
                 f"Mooncake Store setup failed ({describe(rc)}) with master_server_address="
-                f"{settings.master_server_address!r}, metadata_server={settings.metadata_server!r}"
+                f"{settings.master_server_address!r}, "
+                f"metadata_server={redact_url(settings.metadata_server)!r}"
                 f", global_segment_size={segment_bytes}: check both servers run and the sizes"
             )
         self._registered: list[int] = []
