@@ -200,7 +200,9 @@ class WorkerHalf:
         self._wake = WakeSender(wake_endpoint(cfg.host, cfg.base_port))
         metadata_arg = P2P_HANDSHAKE
         if cfg.metadata.kind != "p2p":
-            self._bridge = MetadataBridge(cfg.metadata, ttl_s=s.metadata_ttl_s)
+            self._bridge = MetadataBridge(
+                cfg.metadata, ttl_s=s.metadata_ttl_s, auth=s.metadata_auth
+            )
             metadata_arg = self._bridge.url
         try:
             self._engine = TransferEngine(
