@@ -28,7 +28,9 @@ from mooncake_vllm.metadata import (
     P2P_HANDSHAKE,
     MetadataAuth,
     MetadataTarget,
+    check_auth,
     parse_metadata_server,
+    redact_url,
     split_host_port,
 )
 from mooncake_vllm.serving_url import normalize_advertise_url
@@ -61,8 +63,8 @@ class MooncakeSettings(BaseModel):
     local_hostname: str | None = Field(
         None, description="address to advertise instead of the url's host"
     )
-    # P2PHANDSHAKE, etcd://h:p[,h:p], redis://h:p, http://h:p/metadata, or a bare h:p read with
-    # metadata_backend (the seed's form). See ``metadata`` for how each is served.
+    # P2PHANDSHAKE, etcd(s)://h:p[,h:p], redis(s)://h:p, http(s)://h:p/metadata (the "s" forms
+    # over TLS), or a bare h:p read with metadata_backend (the seed's form). See ``metadata``.
     metadata_server: str = P2P_HANDSHAKE
     metadata_backend: Literal["etcd", "redis", "http"] | None = None
     # Keys an engine publishes in the store expire this long after it stops refreshing them.
@@ -137,6 +139,7 @@ class MooncakeSettings(BaseModel):
     @model_validator(mode="after")
     def _check_metadata(self) -> MooncakeSettings:
         target = parse_metadata_server(self.metadata_server, self.metadata_backend)
+        check_auth(target, self.metadata_auth)
         if self.advertise_url is not None and target.kind == "p2p":
             raise ValueError(
                 f"advertise_url={self.advertise_url!r} is published in a metadata store, and "
@@ -212,7 +215,10 @@ def _format_validation_error(
             lines.append(e["msg"].removeprefix("Value error, "))
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{key}={e.get('input')!r}: {msg}")
+            value = e.get("input")
+            if isinstance(value, str):
+                value = redact_url(value)  # a store URL may carry a password
+            lines.append(f"{key}={value!r}: {msg}")
     name = getattr(model, "connector_name", "MooncakeConnector")
     return f"invalid {name} config ({source}): " + "; ".join(lines)
 
@@ -250,7 +256,8 @@ def load_settings(
         return model(**merged)
     except ValidationError as e:
         source = " + ".join(sources) or "defaults"
-        raise ConfigError(_format_validation_error(e, source, model)) from e
+        # Not chained: pydantic's own error shows every input, a URL's password included.
+        raise ConfigError(_format_validation_error(e, source, model)) from None
 
 
 def resolve(
