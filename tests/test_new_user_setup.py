@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from harness import servers
+from harness.faults import freeze_after_grant_env
 from harness.pd import ServerSpec, client_session, complete, eventually, kv_args, start_many
 from harness.tiny_model import TinyModelSpec, build_tiny_model
 
@@ -36,14 +37,15 @@ HOST = "127.0.0.1"
 MODEL_SPEC = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=32,
                            intermediate=384, seed=4321)  # fmt: skip
 LOAD_TIMEOUT_S = 8.0
-FREEZE_PREFIX = "test-freeze-after-grant/"
 CONCURRENCY, MAX_TOKENS = 8, 8
 
 
 class NewUser:
-    def __init__(self, model, plain, prefill, decode, proxy_url):
+    def __init__(self, model, plain, prefill, decode, proxy_url, freeze_trigger=None):
         self.model, self.plain, self.prefill, self.decode = model, plain, prefill, decode
         self.proxy = proxy_url
+        # Created by a test: the prefill's next grant freezes its worker (harness.faults).
+        self.freeze_trigger: Path | None = freeze_trigger
 
 
 def _pair_specs(cfg_path: Path, prefill_host: str, decode_host: str, tag: str, **prefill_env):
@@ -93,12 +95,13 @@ def _serving(model: str, specs: list[ServerSpec], tag: str):
 def setup(tmp_path_factory):
     model = str(build_tiny_model(spec=MODEL_SPEC))
     cfg = tmp_path_factory.mktemp("new-user") / "mooncake.json"
+    trigger = cfg.with_name("freeze-after-grant")
     specs = [
         ServerSpec("plain-default", HOST),
-        *_pair_specs(cfg, HOST, HOST, "1host", MOONCAKE_VLLM_TEST_FREEZE_AFTER_GRANT=FREEZE_PREFIX),
+        *_pair_specs(cfg, HOST, HOST, "1host", **freeze_after_grant_env(trigger)),
     ]
     with _serving(model, specs, "1host") as ((plain, prefill, decode), url):
-        yield NewUser(model, plain, prefill, decode, url)
+        yield NewUser(model, plain, prefill, decode, url, freeze_trigger=trigger)
 
 
 @pytest.fixture
@@ -231,28 +234,34 @@ async def test_a_producer_frozen_after_granting_ends_the_pull_by_the_deadline(se
     Entries still in flight then keep the destination blocks pinned until they end (after the
     producer is thawed), so the decode holds nothing only afterwards.
 
-    The hook freezes the worker before the grant leaves the producer, so no read can beat it."""
+    The harness (``harness.faults``, armed by the trigger file) freezes the worker before the
+    grant leaves the producer, so no read can beat it."""
     prompt = list(range(5, 1905))
     body = {"model": setup.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
     failures0 = setup.decode.metric("mooncake_vllm:pull_failures_total")
     async with client_session() as http:
-        params = {"do_remote_decode": True, "transfer_id": f"{FREEZE_PREFIX}{uuid.uuid4()}"}
+        params = {"do_remote_decode": True}
         head = await complete(
             http, setup.prefill, {**body, "max_tokens": 1, "kv_transfer_params": params}
         )
-        t0 = time.monotonic()
-        async with http.post(
-            f"{setup.decode.url}/v1/completions",
-            json={**body, "kv_transfer_params": head.kv_transfer_params},
-        ) as resp:
-            text = await resp.text()
-        elapsed = time.monotonic() - t0
-        usage = setup.decode.metric("vllm:kv_cache_usage_perc")
-    await asyncio.sleep(0.5)
-    frozen = [pid for pid in setup.prefill.process.group_pids() if _state(pid) == "T"]
-    for pid in frozen:
-        os.kill(pid, signal.SIGCONT)
-    assert frozen, "the hook should have frozen the prefill's worker"
+        setup.freeze_trigger.touch()  # the decode's acquire is the next grant
+        try:
+            t0 = time.monotonic()
+            async with http.post(
+                f"{setup.decode.url}/v1/completions",
+                json={**body, "kv_transfer_params": head.kv_transfer_params},
+            ) as resp:
+                text = await resp.text()
+            elapsed = time.monotonic() - t0
+            usage = setup.decode.metric("vllm:kv_cache_usage_perc")
+            await asyncio.sleep(0.5)
+        finally:
+            armed = setup.freeze_trigger.exists()
+            setup.freeze_trigger.unlink(missing_ok=True)  # never freeze a later test's grant
+            frozen = [pid for pid in setup.prefill.process.group_pids() if _state(pid) == "T"]
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+    assert not armed and frozen, "the harness should have frozen the prefill's worker"
     assert resp.status >= 400, f"the pull from a frozen producer succeeded: {text[:200]}"
     print(f"frozen producer: the request ended after {elapsed:.2f}s; decode KV usage then "
           f"{usage:.3f} (blocks pinned under entries still in flight)")  # fmt: skip
