@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from vllm.v1.core.block_pool import BlockPool
 
-from mooncake_vllm.leases import LeaseState, LeaseTable
+from mooncake_vllm.leases import LeaseState, LeaseTable, NotOwner
 from mooncake_vllm.scheduler import BlockPins
 
 # ---- leases ---------------------------------------------------------------------------------
@@ -29,17 +29,21 @@ def _table(clock, ttl_s=10.0, budget_bytes=1000, pull_hold_s=5.0) -> LeaseTable:
     return LeaseTable(ttl_s, budget_bytes, pull_hold_s, clock=clock)
 
 
+# Owner tokens of three consumer pulls (random 16 bytes in the worker).
+A, B, C = (bytes([i]) * 16 for i in (1, 2, 3))
+
+
 def test_hold_acquire_release(clock):
     t = _table(clock)
     t.add("req-1", "t-1", [3, 4], nbytes=100)
     assert (t.held_count, t.held_bytes) == (1, 100)
     assert t.take_finished() == set()  # held blocks are not freed
 
-    lease = t.acquire("t-1", [3, 4])
+    lease = t.acquire("t-1", [3, 4], A)
     assert lease.state is LeaseState.PULLING
     assert (lease.req_id, lease.block_ids) == ("req-1", [3, 4])
 
-    assert t.release("t-1") is True
+    assert t.release("t-1", A) is True
     assert lease.state is LeaseState.ENDED
     assert lease.end_reason == "released"
     assert (t.held_count, t.held_bytes) == (0, 0)
@@ -50,61 +54,66 @@ def test_hold_acquire_release(clock):
 
 def test_acquire_of_unknown_id_is_not_refused_yet(clock):
     # The handoff may reach the consumer before the producer's worker registers the lease.
-    assert _table(clock).acquire("t-unknown", [1]) is None
+    assert _table(clock).acquire("t-unknown", [1], A) is None
 
 
 def test_a_replicated_latent_lease_serves_every_reader_and_ends_with_the_last(clock):
     # MLA, decode TP2: both decode ranks pull the same lease; it stays pinned until both release.
     t = _table(clock)
-    t.add("req-1", "t-1", [3, 4], nbytes=100)
-    first = t.acquire("t-1", [3, 4], readers=2)
+    t.add("req-1", "t-1", [3, 4], nbytes=100, max_readers=2)
+    first = t.acquire("t-1", [3, 4], A, readers=2)
     assert first.state is LeaseState.PULLING
-    assert t.acquire("t-1", [3, 4], readers=2) is first
-    assert t.acquire("t-1", [3, 4], readers=2) == "transfer t-1 is already being pulled"
-    assert t.release("t-1") is True
+    assert t.acquire("t-1", [3, 4], B, readers=2) is first
+    assert t.acquire("t-1", [3, 4], C, readers=2) == "transfer t-1 is already being pulled"
+    assert t.release("t-1", A) is True
     assert first.state is LeaseState.PULLING  # the other reader may still be reading
     assert t.take_finished() == set()
-    assert t.release("t-1", ok=False) is True
+    assert t.release("t-1", B, ok=False) is True
     assert (first.state, first.end_reason) == (LeaseState.ENDED, "pull failed")
     assert t.take_finished() == {"req-1"}
 
 
 def test_a_reader_that_never_comes_leaves_the_lease_to_its_pull_deadline(clock):
     t = _table(clock, pull_hold_s=5.0)
-    t.add("req-1", "t-1", [3], nbytes=100)
-    t.acquire("t-1", [3], readers=2)
-    t.release("t-1")
+    t.add("req-1", "t-1", [3], nbytes=100, max_readers=2)
+    t.acquire("t-1", [3], A, readers=2)
+    t.release("t-1", A)
     clock.now_s += 5.0
     t.expire()
     assert t.take_finished() == {"req-1"}
     assert t.ended_counts == {"expired": 1}
 
 
-def test_acquire_of_part_of_the_lease(clock):
+@pytest.mark.parametrize(
+    "block_ids",
+    [
+        [4, 5],  # part of the lease (was granted before owner tokens: now the hold's blocks only)
+        [3, 4, 5, 6],  # more than the lease
+        [4, 7],  # blocks outside the lease
+        [5, 4, 3],  # the lease's blocks in another order
+        [3, 3, 4, 5],
+        [],
+    ],
+)
+def test_an_acquire_must_name_exactly_the_holds_blocks(clock, block_ids):
     t = _table(clock)
     t.add("req-1", "t-1", [3, 4, 5], nbytes=100)
-    assert t.acquire("t-1", [4, 5]).state is LeaseState.PULLING
-
-
-def test_acquire_of_blocks_outside_the_lease_is_refused(clock):
-    t = _table(clock)
-    t.add("req-1", "t-1", [3, 4], nbytes=100)
-    reason = t.acquire("t-1", [4, 7])
-    assert isinstance(reason, str)
-    assert "not part of the lease" in reason
-    assert t.acquire("t-1", [3, 4]).state is LeaseState.PULLING  # the lease itself is intact
+    assert t.acquire("t-1", block_ids, A) == "transfer t-1: the blocks are not the lease's"
+    lease = t.acquire("t-1", [3, 4, 5], A)  # the lease itself is intact, A not yet an owner
+    assert lease.state is LeaseState.PULLING and lease.owners == {A}
 
 
 def test_second_acquire_while_pulling_is_refused(clock):
     t = _table(clock)
     t.add("req-1", "t-1", [3], nbytes=100)
-    t.acquire("t-1", [3])
-    assert t.acquire("t-1", [3]) == "transfer t-1 is already being pulled"
+    t.acquire("t-1", [3], A)
+    assert t.acquire("t-1", [3], B) == "transfer t-1 is already being pulled"
+    assert t.acquire("t-1", [3], A) == "transfer t-1 is already being pulled"  # A again too
 
 
 def test_release_of_unknown_id(clock):
     t = _table(clock)
-    assert t.release("t-unknown") is False
+    assert t.release("t-unknown", A) is False
     assert t.take_finished() == set()
 
 
@@ -125,7 +134,7 @@ def test_pulling_lease_expires_at_its_pull_deadline_not_its_ttl(clock):
     t = _table(clock, ttl_s=10.0, pull_hold_s=30.0)
     t.add("req-1", "t-1", [3], nbytes=100)
     clock.now_s += 9.0
-    t.acquire("t-1", [3])  # pull deadline: now + 30
+    t.acquire("t-1", [3], A)  # pull deadline: now + 30
     clock.now_s += 20.0  # past the TTL
     t.expire()
     assert t.held_count == 1
@@ -140,7 +149,8 @@ def test_pull_of_an_ended_lease_is_refused_with_the_reason(clock, end):
     t = _table(clock, ttl_s=10.0, budget_bytes=150)
     t.add("req-1", "t-1", [3], nbytes=100)
     if end == "release":
-        t.release("t-1")
+        t.acquire("t-1", [3], A)  # only an owner can release it
+        t.release("t-1", A)
         reason = "released"
     elif end == "expire":
         clock.now_s += 10.0
@@ -149,7 +159,7 @@ def test_pull_of_an_ended_lease_is_refused_with_the_reason(clock, end):
     else:
         t.add("req-2", "t-2", [4], nbytes=100)
         reason = "evicted"
-    assert t.acquire("t-1", [3]) == f"transfer t-1 already {reason}"
+    assert t.acquire("t-1", [3], B) == f"transfer t-1 already {reason}"
     assert "req-1" in t.take_finished()
 
 
@@ -162,8 +172,8 @@ def test_budget_evicts_oldest_first(clock):
     t.add("req-3", "t-3", [3], nbytes=150)  # 450 held: the two oldest go
     assert t.held_bytes == 250
     assert t.take_finished() == {"req-0", "req-1"}
-    assert t.acquire("t-0", [0]) == "transfer t-0 already evicted"
-    assert t.acquire("t-2", [2]).state is LeaseState.PULLING
+    assert t.acquire("t-0", [0], A) == "transfer t-0 already evicted"
+    assert t.acquire("t-2", [2], A).state is LeaseState.PULLING
     assert t.ended_counts == {"evicted": 2}
 
 
@@ -171,10 +181,10 @@ def test_budget_never_evicts_a_lease_being_pulled(clock):
     t = _table(clock, budget_bytes=200)
     t.add("req-0", "t-0", [0], nbytes=100)
     t.add("req-1", "t-1", [1], nbytes=100)
-    t.acquire("t-0", [0])
+    t.acquire("t-0", [0], A)
     t.add("req-2", "t-2", [2], nbytes=100)  # oldest is pulling: the next oldest held one goes
     assert t.take_finished() == {"req-1"}
-    assert t.release("t-0") is True
+    assert t.release("t-0", A) is True
 
 
 def test_lease_larger_than_the_budget_is_freed_at_once(clock):
@@ -192,10 +202,11 @@ def test_duplicate_transfer_id_supersedes_the_older_lease(clock):
     assert t.take_finished() == {"req-old"}  # the older request's blocks are freed
     assert t.ended_counts == {"superseded": 1}
 
-    lease = t.acquire("t-1", [7, 8])
+    assert t.acquire("t-1", [3, 4], A) == "transfer t-1: the blocks are not the lease's"
+    lease = t.acquire("t-1", [7, 8], A)
     assert lease.req_id == "req-new"
-    assert t.acquire("t-1", [3]) == "transfer t-1 is already being pulled"
-    t.release("t-1")
+    assert t.acquire("t-1", [7, 8], B) == "transfer t-1 is already being pulled"
+    t.release("t-1", A)
     assert t.take_finished() == {"req-new"}
 
 
@@ -213,9 +224,10 @@ def test_ended_ids_are_remembered_up_to_a_bound(clock):
     t = LeaseTable(10.0, 10_000, 5.0, clock=clock, remember_ended=2)
     for i in range(3):
         t.add(f"req-{i}", f"t-{i}", [i], nbytes=1)
-        t.release(f"t-{i}")
-    assert t.acquire("t-0", [0]) is None  # forgotten: the side channel treats it as unknown
-    assert t.acquire("t-2", [2]) == "transfer t-2 already released"
+        t.acquire(f"t-{i}", [i], A)
+        t.release(f"t-{i}", A)
+    assert t.acquire("t-0", [0], B) is None  # forgotten: the side channel treats it as unknown
+    assert t.acquire("t-2", [2], B) == "transfer t-2 already released"
 
 
 def test_real_clock_with_a_tiny_ttl():
@@ -223,6 +235,103 @@ def test_real_clock_with_a_tiny_ttl():
     t.add("req-1", "t-1", [3], nbytes=100)
     t.expire()
     assert t.take_finished() == {"req-1"}
+
+
+# ---- ownership: only a peer that acquired a lease can end it ---------------------------------
+
+
+def test_a_release_from_a_peer_that_never_acquired_changes_nothing(clock):
+    t = _table(clock)
+    t.add("req-1", "t-1", [3, 4], nbytes=100)
+    lease = t.acquire("t-1", [3, 4], A)
+    with pytest.raises(NotOwner):
+        t.release("t-1", B)
+    with pytest.raises(NotOwner):
+        t.release("t-1", B, ok=False)  # nor marks the pull failed
+    assert (lease.state, t.held_count, t.take_finished()) == (LeaseState.PULLING, 1, set())
+    assert t.release("t-1", A) is True  # the owner still can
+    assert (lease.state, lease.end_reason) == (LeaseState.ENDED, "released")
+    assert t.take_finished() == {"req-1"}
+
+
+def test_a_held_lease_cannot_be_released_without_acquiring_it(clock):
+    # Before owner tokens a release of a HELD lease ended it at once; now the consumer that
+    # needs nothing acquires first (the worker's give-back), and a stranger's release is refused.
+    t = _table(clock, ttl_s=10.0)
+    t.add("req-1", "t-1", [3], nbytes=100)
+    with pytest.raises(NotOwner):
+        t.release("t-1", A)
+    assert (t.held_count, t.take_finished(), t.ended_counts) == (1, set(), {})
+    clock.now_s += 10.0
+    t.expire()  # the TTL still frees it
+    assert (t.take_finished(), t.ended_counts) == ({"req-1"}, {"expired": 1})
+
+
+def test_a_release_is_idempotent_per_owner(clock):
+    # A retried release (its reply lost) must not count as the other reader's.
+    t = _table(clock)
+    t.add("req-1", "t-1", [3], nbytes=100, max_readers=2)
+    lease = t.acquire("t-1", [3], A, readers=2)
+    t.acquire("t-1", [3], B, readers=2)
+    assert t.release("t-1", A) is True
+    assert t.release("t-1", A, ok=False) is True  # again: neither counted nor marked failed
+    assert (lease.state, t.take_finished()) == (LeaseState.PULLING, set())
+    assert t.release("t-1", B) is True
+    assert (lease.state, lease.end_reason) == (LeaseState.ENDED, "released")
+    assert t.release("t-1", B) is False  # ended: nothing to do
+    assert t.release("t-1", C) is False  # nor for a stranger (no NotOwner once it ended)
+    assert t.ended_counts == {"released": 1}
+
+
+@pytest.mark.parametrize(
+    ("max_readers", "readers"),
+    [(1, 0), (1, 2), (2, 3), (2, -1), (64, 65)],
+)
+def test_readers_outside_the_holds_bound_are_refused(clock, max_readers, readers):
+    t = _table(clock)
+    t.add("req-1", "t-1", [3], nbytes=100, max_readers=max_readers)
+    assert t.acquire("t-1", [3], A, readers=readers) == (
+        f"readers={readers} outside 1..{max_readers}"
+    )
+    assert t.acquire("t-1", [3], A, readers=max_readers).state is LeaseState.PULLING
+
+
+def test_readers_are_fixed_by_the_first_acquire(clock):
+    t = _table(clock)
+    t.add("req-1", "t-1", [3], nbytes=100, max_readers=4)
+    lease = t.acquire("t-1", [3], A, readers=2)
+    for readers in (1, 3, 4):  # neither fewer (ending it early) nor more (pinning it longer)
+        assert t.acquire("t-1", [3], B, readers=readers) == (
+            f"readers={readers}, the lease was acquired for 2"
+        )
+    assert (lease.readers, lease.owners) == (2, {A})
+    assert t.acquire("t-1", [3], B, readers=2) is lease
+
+
+def test_one_owner_cannot_take_two_shares_of_a_shared_lease(clock):
+    t = _table(clock)
+    t.add("req-1", "t-1", [3], nbytes=100, max_readers=2)
+    lease = t.acquire("t-1", [3], A, readers=2)
+    assert t.acquire("t-1", [3], A, readers=2) == "transfer t-1 is already being pulled"
+    t.release("t-1", A)
+    assert lease.state is LeaseState.PULLING  # A alone cannot end a lease of two readers
+    assert t.acquire("t-1", [3], B, readers=2) is lease
+    assert t.acquire("t-1", [3], C, readers=2) == "transfer t-1 is already being pulled"
+    t.release("t-1", B)
+    assert lease.state is LeaseState.ENDED
+
+
+def test_a_refusal_shows_only_a_prefix_of_the_transfer_id(clock):
+    # Refusals travel back to any peer and into logs: never the whole id that names the lease.
+    t = _table(clock)
+    tid = "0123456789abcdef" * 2
+    t.add("req-1", tid, [3], nbytes=100)
+    reason = t.acquire(tid, [4], A)
+    assert "01234567" in reason and tid not in reason
+    t.acquire(tid, [3], A)
+    assert tid not in t.acquire(tid, [3], B)
+    t.release(tid, A)
+    assert t.acquire(tid, [3], B) == "transfer 01234567 already released"
 
 
 def test_blocks_under_a_pull_are_not_reused_until_every_rank_settled():

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from mooncake_vllm.protocol import (
+    OWNER_BYTES,
     PROTOCOL_VERSION,
     Acquire,
     Granted,
@@ -215,16 +216,23 @@ def test_compat_hash_changes_with_any_input(field, value):
 
 # ---- protocol: side-channel frames ----------------------------------------------------------
 
+OWNER = bytes(range(OWNER_BYTES))
+
+
+def _packed(**fields) -> bytes:
+    return msgspec.msgpack.encode(fields)
+
 
 @pytest.mark.parametrize(
     "frame",
     [
-        Acquire("t-1", [4, 5, 9]),
+        Acquire("t-1", [4, 5, 9], OWNER),
+        Acquire("t-1", [4, 5, 9], OWNER, readers=2),
         Granted("t-1", "10.0.0.1:20000", [MemSegment(0x1000, 4096, 2048), MemSegment(0, 64, 64)]),
         Granted("t-1", "10.0.0.1:20000", []),
         Refused("t-1", "transfer t-1 already expired"),
-        Release("t-1", ok=True),
-        Release("t-1", ok=False),
+        Release("t-1", ok=True, owner=OWNER),
+        Release("t-1", ok=False, owner=OWNER),
         Released("t-1"),
     ],
     ids=lambda f: type(f).__name__,
@@ -244,9 +252,14 @@ def test_frame_round_trip(frame):
         msgspec.msgpack.encode([1, 2, 3]),
         msgspec.msgpack.encode({"transfer_id": "t-1"}),  # no tag
         msgspec.msgpack.encode({"type": "acquire_v2", "transfer_id": "t-1"}),  # unknown kind
-        msgspec.msgpack.encode({"type": "release/1", "transfer_id": "t-1"}),  # field missing
-        msgspec.msgpack.encode({"type": "release/1", "transfer_id": "t-1", "ok": "yes"}),
-        msgspec.msgpack.encode({"type": "release/2", "transfer_id": "t-1", "ok": True}),  # version
+        _packed(type="release/2", transfer_id="t-1"),  # fields missing
+        _packed(type="release/2", transfer_id="t-1", ok="yes", owner=OWNER),
+        # A version 1 peer's frames: no owner, and the tag of another version.
+        _packed(type="release/1", transfer_id="t-1", ok=True),
+        _packed(type="acquire/1", transfer_id="t-1", remote_block_ids=[1]),
+        # A version 1 frame under this version's tag (no owner), and a later version's frame.
+        _packed(type="acquire/2", transfer_id="t-1", remote_block_ids=[1]),
+        _packed(type="release/3", transfer_id="t-1", ok=True, owner=OWNER),
         encode_frame(Released("t-1"))[:-2],  # truncated
     ],
     ids=repr,

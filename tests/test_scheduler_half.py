@@ -5,17 +5,27 @@ which blocks it plans to fill, which handoffs it rejects, and what a finished pr
 from __future__ import annotations
 
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
+import zmq
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.request import RequestStatus
 
 from harness.servers import free_port
 from mooncake_vllm.config import load_settings, resolve
-from mooncake_vllm.lease_service import RankLayout
+from mooncake_vllm.lease_service import MAX_REPLICATED_READERS, RankLayout
 from mooncake_vllm.planning import producer_rank_for
-from mooncake_vllm.protocol import Acquire, Granted, MemSegment, Release, parse_handoff
+from mooncake_vllm.protocol import (
+    OWNER_BYTES,
+    Acquire,
+    Granted,
+    MemSegment,
+    Refused,
+    Release,
+    parse_handoff,
+)
 from mooncake_vllm.scheduler import SchedulerHalf, engine_compat_hash, engine_kv_layout
 from mooncake_vllm.side_channel import SideChannelClient
 from mooncake_vllm.step_metadata import MooncakeWorkerMeta
@@ -138,6 +148,51 @@ def test_a_handoff_from_another_model_is_rejected_but_its_lease_is_released(cons
     assert load.handoff is not None
 
 
+def trusting_consumer(trusted: list[str]) -> SchedulerHalf:
+    settings = load_settings(
+        {"decode_url": "127.0.0.1:17000", "trusted_producers": trusted}, env={}
+    )
+    return SchedulerHalf(resolve(settings, "kv_consumer", "decode", 1), BLOCK, HASH)
+
+
+@pytest.mark.parametrize(
+    ("trusted", "host", "refused"),
+    [
+        (["10.0.0.0/8"], "127.0.0.1", True),
+        (["10.0.0.0/8"], "10.1.2.3", False),
+        (["prefill-0"], "prefill-1", True),
+        (["prefill-0", "127.0.0.1"], "127.0.0.1", False),
+    ],
+)
+def test_a_handoff_naming_an_untrusted_producer_is_refused_without_contacting_it(
+    trusted, host, refused
+):
+    half = trusting_consumer(trusted)
+    try:
+        params = handoff_params(300, side_channel_host=host)
+        _, is_async, (load,) = plan(half, request("r1", 300, params), Blocks([10, 11, 12]))
+    finally:
+        half.shutdown()
+    assert is_async  # claimed either way: the worker reports the failure, vLLM's policy decides
+    if refused:
+        # No handoff for the worker: not even a release goes to a host we do not trust.
+        assert load.handoff is None
+        assert f"producer {host!r} is not in trusted_producers {trusted}" in load.error
+    else:
+        assert (load.error, load.handoff.side_channel_host) == (None, host)
+
+
+def test_a_handoff_without_a_side_channel_is_left_to_the_workers_registry_check():
+    # The worker looks the producer up in the registry and checks the record's host there.
+    half = trusting_consumer(["10.0.0.0/8"])
+    try:
+        params = handoff_params(300, side_channel_host="", side_channel_ports=[])
+        _, _, (load,) = plan(half, request("r1", 300, params), Blocks([10, 11, 12]))
+    finally:
+        half.shutdown()
+    assert load.error is None and load.handoff is not None
+
+
 def test_a_request_without_a_handoff_is_not_claimed(consumer):
     assert consumer.get_num_new_matched_tokens(request("r1", 300, None), 0) == (0, False)
     assert consumer.get_num_new_matched_tokens(request("r2", 300, {"x": 1}), 0) == (0, False)
@@ -162,15 +217,28 @@ def test_blocks_to_fill_are_pinned_until_the_worker_settles_the_load(consumer):
     "status", [RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED]
 )
 def test_a_finished_prefill_hands_over_its_prompt_blocks_and_holds_them(producer, status):
-    params = {"do_remote_decode": True, "transfer_id": "t-9"}
+    params = {"do_remote_decode": True}
     req = request("p1", 300, params, status=status, computed=300)
     delay_free, out = producer.request_finished(req, [5, 6, 7, 8])  # 4th: the sampled token's
     assert delay_free
     handoff = parse_handoff(out)
-    assert (handoff.transfer_id, handoff.remote_block_ids) == ("t-9", [5, 6, 7])
+    assert handoff.remote_block_ids == [5, 6, 7]
     assert (handoff.prompt_len, handoff.block_size, handoff.compat_hash) == (300, BLOCK, HASH)
     stats = producer.get_stats().data
     assert (stats["held_leases"], stats["held_bytes"]) == (1, 3 * 1000)
+
+
+def test_the_producer_names_the_transfer_itself_whatever_the_client_sent(producer):
+    # A client's transfer id (before: used as given) could name, or collide with, another
+    # request's lease; the producer's own is 128 random bits.
+    ids = []
+    for i, params in enumerate([{"transfer_id": "t-9"}, {"transfer_id": "t-9"}, {}]):
+        req = request(f"p{i}", 300, {"do_remote_decode": True, **params},
+                      status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
+        ids.append(parse_handoff(producer.request_finished(req, [5, 6, 7])[1]).transfer_id)
+    assert len(set(ids)) == 3 and "t-9" not in ids
+    assert all(len(tid) == 32 and int(tid, 16) >= 0 for tid in ids)
+    assert producer.get_stats().data["held_leases"] == 3  # none superseded another
 
 
 @pytest.mark.parametrize(
@@ -187,6 +255,24 @@ def test_nothing_is_held_for_an_aborted_incomplete_or_ordinary_request(
     req = request("p1", 300, params, status=status, computed=computed)
     assert producer.request_finished(req, [5, 6, 7]) == (False, None)
     assert producer.get_stats().data["held_leases"] == 0
+
+
+def test_frames_the_side_channel_dropped_are_counted_in_the_producers_stats(producer):
+    port = producer._cfg.side_channel_port(0)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for junk in (b"", b"not a frame", b"\xc1"):
+            peer.send(junk)
+        rejected, deadline = 0, time.monotonic() + 15
+        while rejected < 3:  # reported by the lease server at most every few seconds
+            assert time.monotonic() < deadline, rejected
+            rejected += producer.get_stats().data["rejected_frames"]
+            time.sleep(0.05)
+        assert rejected == 3
+    finally:
+        peer.close()
 
 
 def test_with_its_lease_server_gone_a_producer_holds_nothing_and_says_why_once(producer, caplog):
@@ -232,7 +318,7 @@ def tp2_producer(kv_replicated: bool) -> SchedulerHalf:
 def test_an_mla_prefill_at_tp2_is_freed_once_every_consumer_rank_pulled_it_once(consumer_tp):
     producer, client = tp2_producer(kv_replicated=True), SideChannelClient()
     try:
-        req = request("p1", 300, {"do_remote_decode": True, "transfer_id": "t-1"},
+        req = request("p1", 300, {"do_remote_decode": True},
                       status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
         h = parse_handoff(producer.request_finished(req, [5, 6, 7])[1])
         assert (h.producer_tp_size, len(h.side_channel_ports)) == (2, 2)
@@ -241,13 +327,19 @@ def test_an_mla_prefill_at_tp2_is_freed_once_every_consumer_rank_pulled_it_once(
         assert (stats["held_leases"], stats["held_bytes"]) == (1, 2 * 3 * 1000)
         sources = [producer_rank_for(r, consumer_tp, 2, True) for r in range(consumer_tp)]
         addresses = [f"127.0.0.1:{h.side_channel_ports[src]}" for src in sources]
-        for src, address in zip(sources, addresses, strict=True):
-            reply = client.call(address, Acquire("t-1", [5, 6, 7], consumer_tp), timeout_s=5)
+        owners = [bytes([r + 1]) * OWNER_BYTES for r in range(consumer_tp)]  # one per rank
+        inc, readers = h.producer_incarnation, MAX_REPLICATED_READERS + 1
+        too_many = Acquire(h.transfer_id, [5, 6, 7], b"z" * OWNER_BYTES, readers, inc)
+        reply = client.call(addresses[0], too_many, timeout_s=5)
+        assert reply == Refused(h.transfer_id, f"readers={readers} outside 1..{readers - 1}")
+        for src, address, owner in zip(sources, addresses, owners, strict=True):
+            acquire = Acquire(h.transfer_id, [5, 6, 7], owner, consumer_tp, inc)
+            reply = client.call(address, acquire, timeout_s=5)
             assert isinstance(reply, Granted)
             assert reply.te_segment == f"127.0.0.1:{src + 1}"  # that rank's own memory
-        for i, address in enumerate(addresses):
+        for i, (address, owner) in enumerate(zip(addresses, owners, strict=True)):
             assert producer.build_connector_meta(STEP).finished_sending == set()
-            client.call(address, Release("t-1", True), timeout_s=5)
+            client.call(address, Release(h.transfer_id, True, owner), timeout_s=5)
             assert (i == consumer_tp - 1) == (producer.get_stats().data["held_leases"] == 0)
         assert producer.build_connector_meta(STEP).finished_sending == {"p1"}
     finally:
@@ -258,15 +350,20 @@ def test_an_mla_prefill_at_tp2_is_freed_once_every_consumer_rank_pulled_it_once(
 def test_a_per_head_kv_prefill_at_tp2_waits_for_both_rank_pairs():
     producer, client = tp2_producer(kv_replicated=False), SideChannelClient()
     try:
-        req = request("p1", 300, {"do_remote_decode": True, "transfer_id": "t-1"},
+        req = request("p1", 300, {"do_remote_decode": True},
                       status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
         h = parse_handoff(producer.request_finished(req, [5, 6, 7])[1])
         first, second = (f"127.0.0.1:{port}" for port in h.side_channel_ports)
-        assert isinstance(client.call(first, Acquire("t-1", [5, 6, 7]), 5), Granted)
-        client.call(first, Release("t-1", True), timeout_s=5)
+        tid, inc = h.transfer_id, h.producer_incarnation
+        a, b = b"a" * OWNER_BYTES, b"b" * OWNER_BYTES
+        assert isinstance(client.call(first, Acquire(tid, [5, 6, 7], a, 1, inc), 5), Granted)
+        client.call(first, Release(tid, True, a), timeout_s=5)
         assert producer.build_connector_meta(STEP).finished_sending == set()  # rank 1's shard
-        assert isinstance(client.call(second, Acquire("t-1", [5, 6, 7]), 5), Granted)
-        client.call(second, Release("t-1", True), timeout_s=5)
+        # One reader per rank: nobody can pin rank 1's lease for two.
+        refused = client.call(second, Acquire(tid, [5, 6, 7], b, 2, inc), 5)
+        assert refused == Refused(tid, "readers=2 outside 1..1")
+        assert isinstance(client.call(second, Acquire(tid, [5, 6, 7], b, 1, inc), 5), Granted)
+        client.call(second, Release(tid, True, b), timeout_s=5)
         assert producer.build_connector_meta(STEP).finished_sending == {"p1"}
     finally:
         client.close()

@@ -6,11 +6,25 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import pytest
 
+from mooncake_vllm.auth import new_secret, seal_record
 from mooncake_vllm.config import load_settings, resolve
 from mooncake_vllm.engine import TransferEngine
-from mooncake_vllm.protocol import Acquire, Granted, Handoff, MemSegment, Refused, Release, Released
+from mooncake_vllm.protocol import (
+    OWNER_BYTES,
+    Acquire,
+    EngineRecord,
+    Granted,
+    Handoff,
+    MemSegment,
+    Refused,
+    Release,
+    Released,
+    encode_record,
+    registry_key,
+)
 from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.worker import WorkerHalf
 
@@ -54,9 +68,12 @@ class FakeSideChannel:
     def __init__(self, reply=None):
         self.reply = reply
         self.frames: list[object] = []
+        self.addresses: list[str] = []
+        self.rejected = 0  # replies that did not verify (SideChannelClient)
 
     def call(self, address, frame, timeout_s):
         self.frames.append(frame)
+        self.addresses.append(address)
         if isinstance(frame, Release):
             return Released(frame.transfer_id)
         assert isinstance(frame, Acquire)
@@ -66,9 +83,9 @@ class FakeSideChannel:
         pass
 
 
-def make_worker(engine, side_channel, load_timeout_s: float = 0.6) -> WorkerHalf:
+def make_worker(engine, side_channel, load_timeout_s: float = 0.6, **settings) -> WorkerHalf:
     settings = load_settings(
-        {"decode_url": "127.0.0.1:17000", "load_timeout_s": load_timeout_s}, env={}
+        {"decode_url": "127.0.0.1:17000", "load_timeout_s": load_timeout_s, **settings}, env={}
     )
     worker = WorkerHalf(resolve(settings, "kv_consumer", "consumer", 1), 0, "hash", 8)
     # What register_kv_caches sets up around a real engine and real KV tensors.
@@ -142,7 +159,10 @@ def test_a_pull_that_ends_is_reported_once_and_settled(engine):
     assert engine.submitted == [REMOTE.base_addr, REMOTE.base_addr + BLOCK]
     assert worker.get_stats().data["pulls"] == 1
     worker.shutdown()
-    assert isinstance(channel.frames[-1], Release) and channel.frames[-1].ok
+    acquire, release = channel.frames
+    assert acquire == Acquire("t-req-1", [1, 2], acquire.owner, readers=1)
+    assert len(acquire.owner) == OWNER_BYTES
+    assert release == Release("t-req-1", True, acquire.owner)  # only the owner can release it
 
 
 def test_a_pull_past_its_deadline_is_failed_at_once_and_settled_only_when_its_entries_end(
@@ -194,8 +214,13 @@ def test_a_load_vllm_does_not_wait_for_only_releases_the_lease(engine):
     worker.start_load_kv(meta)
     recving, failed, _ = collect_until(worker, lambda r, f, s: s)
     assert (recving, failed) == (set(), set())
-    assert [type(f) for f in channel.frames] == [Release]
     worker.shutdown()
+    # Only an owner may release a lease (before owner tokens: a bare Release), so the worker
+    # acquires the whole hold, then releases it at once; nothing is read.
+    acquire, release = channel.frames
+    assert acquire == Acquire("t-req-1", [1, 2], acquire.owner)
+    assert release == Release("t-req-1", True, acquire.owner)
+    assert engine.submitted == []
 
 
 def test_a_rejected_handoff_fails_without_reading_and_frees_the_producers_lease(engine):
@@ -211,4 +236,167 @@ def test_a_rejected_handoff_fails_without_reading_and_frees_the_producers_lease(
     worker.shutdown()  # waits for the release
     assert (recving, failed, settled) == ({"req-1"}, {"req-1"}, ["req-1"])
     assert engine.submitted == []
-    assert [type(f) for f in channel.frames] == [Release] and not channel.frames[0].ok
+    acquire, release = channel.frames  # acquired only to be released, as failed
+    assert acquire == Acquire("t-req-1", [1, 2], acquire.owner)
+    assert release == Release("t-req-1", False, acquire.owner)
+
+
+# ---- owner tokens, trusted producers, signed registry records ---------------------------------
+
+
+def test_a_partial_local_hit_acquires_the_whole_hold_and_reads_only_the_missing_blocks(engine):
+    engine.done.set()
+    channel = FakeSideChannel()
+    worker = make_worker(engine, channel)
+    meta = load(blocks=3)
+    spec = meta.loads[0]
+    meta.loads[0] = LoadSpec("req-1", spec.handoff, [3], [5])  # blocks 1 and 2 cached here
+    worker.start_load_kv(meta)
+    collect_until(worker, lambda r, f, s: s)
+    worker.shutdown()
+    acquire, release = channel.frames
+    assert acquire.remote_block_ids == [1, 2, 3]  # the producer's lease is the whole prompt
+    assert engine.submitted == [REMOTE.base_addr, REMOTE.base_addr + 3 * BLOCK]  # block 3 only
+    assert release == Release("t-req-1", True, acquire.owner)
+
+
+def test_every_pull_has_its_own_owner_token(engine):
+    engine.done.set()
+    channel = FakeSideChannel()
+    worker = make_worker(engine, channel)
+    worker.start_load_kv(load("req-1"))
+    worker.start_load_kv(load("req-2"))
+    collect_until(worker, lambda r, f, s: len(s) == 2)
+    worker.shutdown()
+    owners = {f.transfer_id: f.owner for f in channel.frames if isinstance(f, Acquire)}
+    assert len(set(owners.values())) == 2
+    for release in (f for f in channel.frames if isinstance(f, Release)):
+        assert release.owner == owners[release.transfer_id]
+
+
+def test_a_lease_whose_acquire_is_refused_is_not_released(engine):
+    # Nothing to give back: the producer ended the lease already (or never had it).
+    channel = FakeSideChannel(Refused("t-req-1", "transfer t-req-1 already expired"))
+    worker = make_worker(engine, channel)
+    meta = load()
+    meta.loads[0] = LoadSpec("req-1", meta.loads[0].handoff, [], [])
+    worker.start_load_kv(meta)
+    collect_until(worker, lambda r, f, s: s)
+    worker.shutdown()
+    assert [type(f) for f in channel.frames] == [Acquire]
+
+
+@pytest.mark.parametrize(
+    ("trusted", "te_segment", "ok"),
+    [
+        (["127.0.0.1", "10.0.0.0/8"], "10.0.0.5:17001", True),
+        (["127.0.0.1"], "10.0.0.5:17001", False),  # the handoff's host is trusted, not this one
+        (["127.0.0.1", "producer"], "producer:1", True),
+        (["127.0.0.1"], "producer:1", False),
+    ],
+)
+def test_a_grant_pointing_reads_at_an_untrusted_host_fails_the_pull_unread(
+    engine, caplog, trusted, te_segment, ok
+):
+    engine.done.set()
+    channel = FakeSideChannel(Granted("t-req-1", te_segment, [REMOTE]))
+    worker = make_worker(engine, channel, trusted_producers=trusted)
+    worker.start_load_kv(load())
+    _, failed, _ = collect_until(worker, lambda r, f, s: s)
+    worker.shutdown()
+    assert failed == (set() if ok else {"req-1"})
+    acquire, release = channel.frames
+    assert release == Release("t-req-1", ok, acquire.owner)  # released either way
+    if not ok:
+        assert engine.submitted == []  # not even the warm-up read
+        host = te_segment.rpartition(":")[0]
+        assert f"transfer-engine segment {host!r} is not in trusted_producers" in caplog.text
+
+
+KEY, NEW_KEY, OTHER_KEY = new_secret(), new_secret(), new_secret()
+
+
+class FakeBridge:
+    """The metadata store as the worker reads it: ``registry_key`` → stored bytes."""
+
+    def __init__(self, records: dict[str, bytes]):
+        self.records = records
+
+    def lookup(self, key: str) -> bytes | None:
+        return self.records.get(key)
+
+    def close(self):
+        pass
+
+
+def registry_record(side_channel: str = "10.0.0.1:16001") -> bytes:
+    return encode_record(
+        EngineRecord(
+            engine_id="producer",
+            role="kv_producer",
+            tp_rank=0,
+            tp_size=1,
+            side_channel=side_channel,
+            te_segment="10.0.0.1:16000",
+            compat_hash="hash",
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("stored", "trusted", "error"),
+    [
+        (seal_record((KEY.encode(),), registry_record()), None, None),
+        (seal_record((NEW_KEY.encode(), KEY.encode()), registry_record()), None, None),
+        (registry_record(), None, "registry record of 'producer': unsigned record"),
+        (
+            seal_record((OTHER_KEY.encode(),), registry_record()),
+            None,
+            "registry record of 'producer': bad record signature",
+        ),
+        (
+            seal_record((KEY.encode(),), registry_record()).replace(b"10.0.0.1:1", b"10.6.6.6:1"),
+            None,
+            "bad record signature",
+        ),
+        (
+            seal_record((KEY.encode(),), registry_record("10.6.6.6:16001")),
+            ["10.0.0.0/24"],
+            "registry side channel '10.6.6.6' is not in trusted_producers",
+        ),
+    ],
+    ids=["signed", "rotated", "unsigned", "other key", "tampered", "untrusted host"],
+)
+def test_a_producer_looked_up_in_the_registry_must_be_signed_and_trusted(
+    engine, caplog, monkeypatch, stored, trusted, error
+):
+    monkeypatch.setenv("MV_TEST_SECRET", f"{KEY}\n{NEW_KEY}")  # a rotation under way
+    engine.done.set()
+    channel = FakeSideChannel(Granted("t-req-1", "10.0.0.1:16000", [REMOTE]))
+    settings = {"auth_secret_env": "MV_TEST_SECRET"}
+    if trusted is not None:
+        settings["trusted_producers"] = trusted
+    worker = make_worker(engine, channel, **settings)
+    worker._bridge = FakeBridge({registry_key("producer", 0): stored})
+    meta = load()
+    spec = meta.loads[0]
+    # No side channel in the handoff: the worker looks the producer up by its engine id.
+    unnamed = msgspec.structs.replace(spec.handoff, side_channel_host="", side_channel_ports=[])
+    meta.loads[0] = LoadSpec("req-1", unnamed, spec.remote_block_ids, spec.local_block_ids)
+    worker.start_load_kv(meta)
+    _, failed, _ = collect_until(worker, lambda r, f, s: s)
+    worker.shutdown()
+    if error is None:
+        assert failed == set() and channel.addresses[0] == "10.0.0.1:16001"
+    else:
+        assert failed == {"req-1"} and channel.frames == []  # nobody was contacted
+        assert error in caplog.text
+
+
+def test_replies_the_client_dropped_are_counted_in_the_stats(engine):
+    channel = FakeSideChannel()
+    worker = make_worker(engine, channel)
+    channel.rejected = 2
+    assert worker.get_stats().data["rejected_frames"] == 2
+    assert worker.get_stats() is None  # counted once
+    assert channel.rejected == 0
