@@ -84,7 +84,7 @@ class MooncakeSettings(BaseModel):
     # Default: the vLLM API server's --host/--port (see ``serving_url``).
     advertise_url: str | None = None
     # Seconds vLLM's queue readers in this engine busy-wait after a message (vLLM: 1 s);
-    # null keeps vLLM's. See ``vllm_spin``. Not below 20 ms: at 0 a reader that misses a wake-up
+    # null keeps vLLM's. See ``vllm_glue``. Not below 20 ms: at 0 a reader that misses a wake-up
     # waits for vLLM's 5 s recheck (measured: 32 tokens took 155 s); shorter is unmeasured.
     vllm_busy_loop_s: float | None = Field(0.02, ge=0.02, le=1)
     # Python's switch interval in this engine's worker processes (Python: 5 ms); null keeps it.
@@ -108,6 +108,9 @@ class MooncakeSettings(BaseModel):
     # Model identity in the compatibility check: by default a fingerprint of the model's files;
     # set it when both sides load the same weights from files that differ (a declared name).
     model_identity: str | None = None
+    # Run on a vLLM outside the tested versions, or one whose internals moved, with plain
+    # fallbacks (``vllm_glue``); otherwise such a vLLM stops at startup, naming what changed.
+    allow_untested_vllm: bool = False
 
     @field_validator("prefill_url", "decode_url")
     @classmethod

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from mooncake_vllm.config import load_settings, resolve
 from mooncake_vllm.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.lease_service import RankLayout
+from mooncake_vllm.model_identity import engine_model_identity
 from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.protocol import MemSegment
 from mooncake_vllm.scheduler import (
@@ -33,9 +34,10 @@ from mooncake_vllm.scheduler import (
     engine_kv_layout,
     kv_is_replicated,
 )
+from mooncake_vllm.sleep_mode import refuse_sleep_mode
 from mooncake_vllm.stats import MooncakePromMetrics, MooncakeStats
 from mooncake_vllm.step_metadata import MooncakeConnectorMetadata, MooncakeWorkerMeta
-from mooncake_vllm.vllm_spin import shorten_gil_switch_interval, shorten_queue_spin
+from mooncake_vllm.vllm_glue import check_vllm, shorten_gil_switch_interval, shorten_queue_spin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,9 +67,11 @@ class MooncakeConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        refuse_sleep_mode(vllm_config, "MooncakeConnector")  # before anything is registered
         use_vllm_logging()  # also when loaded by kv_connector_module_path, without the plugin
         ktc = vllm_config.kv_transfer_config
         settings = load_settings(ktc.kv_connector_extra_config)
+        probe = check_vllm(settings.allow_untested_vllm)
         shorten_queue_spin(settings.vllm_busy_loop_s)
         self._cfg = resolve(
             settings,
@@ -77,7 +81,8 @@ class MooncakeConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerHalf | None = None
         self._worker = None
-        compat = engine_compat_hash(vllm_config)
+        model_identity = engine_model_identity(vllm_config, settings.model_identity)
+        compat = engine_compat_hash(vllm_config, model_identity)
         replicated = kv_is_replicated(vllm_config)  # MLA: any TP size on either side
         if role == KVConnectorRole.SCHEDULER:
             warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
@@ -85,8 +90,9 @@ class MooncakeConnector(KVConnectorBase_V1):
                 self._cfg,
                 vllm_config.cache_config.block_size,
                 compat,
-                kv_layout=engine_kv_layout(vllm_config),
+                kv_layout=engine_kv_layout(vllm_config, model_identity),
                 kv_replicated=replicated,
+                probe=probe,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

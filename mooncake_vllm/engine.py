@@ -35,6 +35,7 @@ _CHECK_DONE, _CHECK_PENDING, _CHECK_TIMED_OUT = 1, 0, -2
 _MIN_POLL_S, _MAX_POLL_S = 0.0001, 0.005
 _SCRATCH_BYTES = 64
 _CONNECT_MARGIN_S = 1.0
+_WARM_UP_RETRY_S = 0.02  # between failed warm-up reads
 
 
 class EngineInitError(RuntimeError):
@@ -108,7 +109,8 @@ class TransferEngine:
         self._hostname = hostname
         self._p2p = p2p
         self._registered: list[int] = []
-        self._warm: set[str] = set()  # peers this engine has read from (handshake done)
+        # Peers this engine has read from (handshake done), and the incarnation read from.
+        self._warm: dict[str, str] = {}
         self._scratch: ctypes.Array | None = None
 
     @property
@@ -217,12 +219,18 @@ class TransferEngine:
             stalls=stalls,
         )
 
-    def warm_up(self, peer: str, src_addr: int, *, deadline: float, stall_s: float) -> None:
+    def warm_up(
+        self, peer: str, src_addr: int, *, deadline: float, stall_s: float, incarnation: str = ""
+    ) -> None:
         """Read a few bytes from ``peer`` into a private scratch buffer: the first contact with a
         peer does the engine's handshake on the calling thread, which can block for long on a
         starved or dead peer. Doing it here keeps that wait off the KV blocks (see ``read``).
-        A failed attempt is retried while one can still end by ``deadline``."""
-        if peer in self._warm:
+        A failed attempt is retried while one can still end by ``deadline``.
+
+        Again for a new ``incarnation`` of a peer (restarted under the same segment name): until
+        the engine has refreshed that segment's metadata (``engine_env``: every 5 s with a store)
+        its reads fail, and here they are retried, not reported as a failed pull."""
+        if self._warm.get(peer) == incarnation:
             return
         if self._scratch is None:
             self._scratch = ctypes.create_string_buffer(_SCRATCH_BYTES)
@@ -232,9 +240,7 @@ class TransferEngine:
         while status is None or time.monotonic() + stall_s + _CONNECT_MARGIN_S <= deadline:
             bid = self._te.batch_transfer_async_read(peer, [dst], [src_addr], [_SCRATCH_BYTES])
             status = -1
-            if bid == 0:  # refused at submit (handshake failed): back off before the next try
-                time.sleep(_MAX_POLL_S)
-            else:
+            if bid != 0:  # 0: refused at submit (the handshake failed): back off below
                 sleep_s = _MIN_POLL_S
                 while (status := self._te.transfer_check_status(bid)) in (
                     _CHECK_PENDING,
@@ -243,8 +249,9 @@ class TransferEngine:
                     time.sleep(sleep_s)
                     sleep_s = min(2 * sleep_s, _MAX_POLL_S)
             if status == _CHECK_DONE:
-                self._warm.add(peer)
+                self._warm[peer] = incarnation
                 return
+            time.sleep(_WARM_UP_RETRY_S)  # e.g. stale metadata of a restarted peer: not a spin
         raise TransferError("no read from the peer succeeded", peer=peer, entries=1, code=status)
 
     def close(self) -> None:

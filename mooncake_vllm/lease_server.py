@@ -79,6 +79,7 @@ class Start(msgspec.Struct, tag="start", frozen=True, kw_only=True):
     pull_hold_s: float
     wake_endpoint: str  # the engine core's wake-up socket (``local_channels``)
     keys: list[bytes] = []  # the shared secret (``auth``); over the private socket pair only
+    incarnation: str = ""  # this start of the producer (``Handoff.producer_incarnation``)
     max_frame_bytes: int = 1 << 20
     peer_rate: float = 2000.0
     max_peers: int = 256
@@ -154,6 +155,7 @@ class LeaseServer:
                         ),
                         context=self._ctx,
                         keys=tuple(start.keys),
+                        incarnation=start.incarnation,
                         guard=PeerGuard(start.peer_rate, start.max_peers),
                         max_frame_bytes=start.max_frame_bytes,
                         on_unknown=self._read_commands,

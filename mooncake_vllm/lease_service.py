@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -62,6 +63,9 @@ class LeaseService:
         self._tp_size = cfg.tp_size
         self._tables = 1 if kv_replicated else cfg.tp_size
         self._max_readers = MAX_REPLICATED_READERS if kv_replicated else 1
+        # This start of the engine: handoffs carry it, and a restarted producer on the same
+        # address refuses the ones of its previous life (``SideChannelServer``).
+        self.incarnation = secrets.token_hex(8)
         self._dropped: Counter[str] = Counter()
         keys = s.auth_keys()
         if not keys and not is_loopback(cfg.host):
@@ -99,6 +103,7 @@ class LeaseService:
             pull_hold_s=self._pull_hold_s,
             wake_endpoint=wake_endpoint,
             keys=list(keys),
+            incarnation=self.incarnation,
             max_frame_bytes=s.side_channel_max_frame_bytes,
             peer_rate=s.side_channel_peer_rate,
             max_peers=s.side_channel_max_peers,

@@ -38,6 +38,9 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     compat_hash: str
     # The producer's KV layout in words (``kv_layout``), for the error when the hashes differ.
     kv_layout: str = ""
+    # Which start of the producer holds the lease: a producer restarted on the same address
+    # refuses the handoffs of its previous life by this, not only by their unknown ids.
+    producer_incarnation: str = ""
 
     def to_params(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -207,12 +210,16 @@ class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     remote_block_ids: list[int]
     owner: bytes
     readers: int = 1
+    incarnation: str = ""  # the handoff's ``producer_incarnation``
 
 
 class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):
+    """Producer → consumer: the lease's memory, in the layout of this ``incarnation``."""
+
     transfer_id: str
     te_segment: str
     segments: list[MemSegment]
+    incarnation: str = ""
 
 
 class Refused(msgspec.Struct, tag=_tag("refused"), frozen=True):

@@ -21,17 +21,17 @@ into fresh blocks, abort it — those blocks are not handed to another request.
 from __future__ import annotations
 
 import logging
-import queue
-import sys
+import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import zmq
-from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.request import RequestStatus
 
+from mooncake_vllm.auth import host_allowed, short_id
 from mooncake_vllm.config import ConnectorConfig
 from mooncake_vllm.lease_service import LeaseService, RankLayout
 from mooncake_vllm.local_channels import WakeForwarder, wake_endpoint
@@ -44,6 +44,7 @@ from mooncake_vllm.protocol import (
 )
 from mooncake_vllm.stats import MooncakeStats
 from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata, MooncakeWorkerMeta
+from mooncake_vllm.vllm_glue import IDLE_STEP_PAUSE_S, EngineCoreHandle, Probe
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,10 +57,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Without the engine core to look at (see ``_find_engine_core``): pause idle steps this long.
-IDLE_STEP_PAUSE_S = 0.002
-# Resting is ended by a worker's wake-up or a new request; this only bounds a lost wake-up.
-MAX_REST_S = 10.0
 
 # A finished request whose prompt KV is complete: its blocks can be handed over.
 _HANDOVER_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -77,8 +74,11 @@ def _mla_latent(vllm_config: VllmConfig) -> list[int] | None:
     return [hf.kv_lora_rank, hf.qk_rope_head_dim]
 
 
-def engine_kv_layout(vllm_config: VllmConfig) -> str:
-    """The engine's KV layout in words, for the error a mismatched handoff gets."""
+def engine_kv_layout(vllm_config: VllmConfig, model_identity: str | None = None) -> str:
+    """The engine's KV layout and model (``model_identity``) in words, for the error a
+    mismatched handoff gets."""
+    from mooncake_vllm.model_identity import short_identity
+
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     layers = mc.get_num_layers(pc)
     if (latent := _mla_latent(vllm_config)) is not None:
@@ -88,10 +88,14 @@ def engine_kv_layout(vllm_config: VllmConfig) -> str:
             f"per-head K/V {mc.get_num_kv_heads(pc)} heads x {mc.get_head_size()} "
             f"(TP {pc.tensor_parallel_size})"
         )
-    return f"{kv}, {layers} layers, {mc.dtype}, KV {cc.cache_dtype}, block {cc.block_size}"
+    words = f"{kv}, {layers} layers, {mc.dtype}, KV {cc.cache_dtype}, block {cc.block_size}"
+    return words if model_identity is None else f"{words}, model {short_identity(model_identity)}"
 
 
-def engine_compat_hash(vllm_config: VllmConfig) -> str:
+def engine_compat_hash(vllm_config: VllmConfig, model_identity: str | None = None) -> str:
+    """What producer and consumer must agree on for a raw block copy: the KV layout and, since
+    KV from other weights of the same shape decodes into a wrong answer, the model
+    (``model_identity.engine_model_identity``; None leaves it out)."""
     from vllm.platforms import current_platform
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
@@ -114,6 +118,7 @@ def engine_compat_hash(vllm_config: VllmConfig) -> str:
         block_size=cc.block_size,
         tp_size=None if use_mla else pc.tensor_parallel_size,
         device=current_platform.device_type,
+        model=model_identity,
     )
 
 
@@ -127,7 +132,9 @@ class SchedulerHalf:
         *,
         kv_layout: str = "",
         kv_replicated: bool = False,
+        probe: Probe | None = None,
     ):
+        """``probe``: what ``vllm_glue.check_vllm`` found (None: look for the engine core)."""
         self._cfg = cfg
         self._block_size = block_size
         self._compat_hash = compat_hash
@@ -136,7 +143,7 @@ class SchedulerHalf:
         self._loads: dict[str, LoadSpec] = {}
         # Consumer: blocks under a pull (None until vLLM binds its block pool).
         self._pins: BlockPins | None = None
-        self._engine_core = _find_engine_core()
+        self._engine_core = EngineCoreHandle.find(probe)
         self._woken = threading.Event()  # a worker or a lease reported since the last rest
         # Producer: leases and side channels, in a process of their own (lease_service).
         self._leases: LeaseService | None = None
@@ -152,18 +159,38 @@ class SchedulerHalf:
                 )
             except zmq.ZMQError as e:  # cannot rest without it: pause idle steps instead
                 logger.warning("wake-up socket unavailable (%s): idle steps are paused", e)
-        # Consumer: transfer ids already pulled (bounded), to refuse a replayed handoff.
-        self._seen_transfer_ids: OrderedDict[str, str] = OrderedDict()
+        # Consumer: one pull per transfer id (bounded), shared by every request that carries it
+        # (vLLM's n > 1 children; a replayed handoff). See ``get_num_new_matched_tokens``.
+        self._shared: OrderedDict[str, SharedPull] = OrderedDict()
+        self._pulling: dict[str, str] = {}  # puller's req id -> its transfer id, until settled
+        self._following: set[str] = set()  # requests told to ask again (a pull is in flight)
         self._remember_ids = remember_ids
 
     # ---- consumer ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
+        """The prompt tokens to load, for the first request that carries a transfer id.
+
+        A transfer is pulled once. vLLM fans ``n > 1`` out into children that carry the same
+        ``kv_transfer_params``; the first to get here pulls, and the others follow: they wait
+        (None: vLLM asks again next step) while the pull is in flight, then take what the
+        local prefix cache holds (the pulled blocks, cached when the first was promoted) and
+        compute the rest; if the pull failed they fail with it, through vLLM's policy."""
         params = request.kv_transfer_params
         if not (self._cfg.is_consumer and params and params.get("do_remote_prefill")):
             return 0, False
+        req_id = request.request_id
+        shared = self._shared.get(params.get("transfer_id"))  # type: ignore[arg-type]
+        if shared is not None and shared.puller != req_id:
+            if shared.state == "pulling":
+                self._following.add(req_id)
+                return None, False
+            self._following.discard(req_id)
+            if shared.state == "done":
+                params["do_remote_prefill"] = False  # never pulls, never touches the lease
+                return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -182,6 +209,7 @@ class SchedulerHalf:
             # The local prefix cache holds the whole prompt: nothing to pull, free the lease.
             if handoff is not None:
                 self._loads[req_id] = LoadSpec(req_id, handoff, [], [], error)
+            self._settle_shared(req_id, failed=False)  # vLLM waits for no outcome
             return
         local_block_ids = blocks.get_unhashed_block_ids()
         cached = sum(1 for b in blocks.blocks[0] if b.block_hash is not None)
@@ -210,6 +238,15 @@ class SchedulerHalf:
         meta = output.kv_connector_worker_meta
         if self._pins is not None and isinstance(meta, MooncakeWorkerMeta):
             self._pins.settle(meta.settled)
+        failed = output.failed_recving or set()
+        for req_id in output.finished_recving or ():
+            self._settle_shared(req_id, failed=req_id in failed)
+
+    def _settle_shared(self, req_id: str, failed: bool) -> None:
+        """A puller's load has an outcome: the requests following its transfer may go on."""
+        transfer_id = self._pulling.pop(req_id, None)
+        if transfer_id is not None and (shared := self._shared.get(transfer_id)) is not None:
+            shared.state = "failed" if failed else "done"
 
     def _check(self, request: Request, params: dict[str, Any]) -> tuple[Handoff | None, str | None]:
         """The handoff (None when it must not be acted on) and the rejection reason, if any."""
@@ -217,13 +254,24 @@ class SchedulerHalf:
             handoff = parse_handoff(params)
         except HandoffError as e:
             return None, str(e)
-        earlier = self._seen_transfer_ids.get(handoff.transfer_id)
-        if earlier is not None and earlier != request.request_id:
-            # Do not touch the producer's lease: it belongs to the first request.
-            return None, f"duplicate transfer id {handoff.transfer_id} (already used by {earlier})"
-        self._seen_transfer_ids[handoff.transfer_id] = request.request_id
-        while len(self._seen_transfer_ids) > self._remember_ids:
-            self._seen_transfer_ids.popitem(last=False)
+        trusted = self._cfg.settings.trusted_producers
+        host = handoff.side_channel_host
+        if trusted is not None and host and not host_allowed(host, trusted):
+            # Not even a release: nothing is sent to a host we do not trust.
+            return None, (
+                f"producer {host!r} is not in trusted_producers {trusted}; add it there to "
+                "pull from it"
+            )
+        shared = self._shared.get(handoff.transfer_id)
+        if shared is not None and shared.puller != request.request_id:
+            # A follower of a pull that failed (``get_num_new_matched_tokens``). Do not touch
+            # the producer's lease: it belongs to the puller.
+            tid = short_id(handoff.transfer_id)
+            return None, f"the pull of transfer {tid} this request shares ({shared.puller}) failed"
+        self._shared[handoff.transfer_id] = SharedPull(request.request_id)
+        self._pulling[request.request_id] = handoff.transfer_id
+        while len(self._shared) > self._remember_ids:
+            self._shared.popitem(last=False)
         try:
             validate_handoff(
                 handoff,
@@ -243,6 +291,7 @@ class SchedulerHalf:
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._following.discard(request.request_id)  # a follower aborted while it waited
         params = request.kv_transfer_params
         if not (self._cfg.is_producer and params and params.get("do_remote_decode")):
             return False, None
@@ -254,9 +303,9 @@ class SchedulerHalf:
             logger.warning("request %s: %d blocks for %d tokens", request.request_id,
                            len(block_ids), prompt_len)  # fmt: skip
             return False, None
-        transfer_id = params.get("transfer_id")
-        if not isinstance(transfer_id, str) or not transfer_id:
-            transfer_id = f"{self._cfg.engine_id}/{request.request_id}"
+        # Ours, never the client's: 128 random bits, so nobody can guess (or collide with) the
+        # id that names this lease on the side channel.
+        transfer_id = secrets.token_hex(16)
         prompt_block_ids = list(block_ids[:num_blocks])
         # Held before the handoff leaves this process: an acquire never waits for a step.
         if not self._leases.hold(request.request_id, transfer_id, prompt_block_ids):
@@ -272,6 +321,7 @@ class SchedulerHalf:
             block_size=self._block_size,
             compat_hash=self._compat_hash,
             kv_layout=self._kv_layout,
+            producer_incarnation=self._leases.incarnation,
         )
         return True, handoff.to_params()
 
@@ -289,26 +339,17 @@ class SchedulerHalf:
             meta.finished_sending = self._leases.take_finished()
         if meta.loads or meta.finished_sending or scheduler_output.total_num_scheduled_tokens:
             return meta
-        if self._waker is None:
+        if self._waker is None or self._engine_core is None:
             # vLLM steps back to back while a finished request's blocks are held or a request
             # waits for its KV: unthrottled, that burns a core in engine core and worker alike.
             time.sleep(IDLE_STEP_PAUSE_S)
-        elif not scheduler_output.finished_req_ids and self._only_waiting_on_workers():
+        elif not scheduler_output.finished_req_ids and not self._engine_core.busy_with_others(
+            self._following
+        ):
+            # Nothing can run until a worker reports (a pull ends, a lease ends); a new
+            # request ends the rest too.
             self._rest()
         return meta
-
-    def _only_waiting_on_workers(self) -> bool:
-        """Nothing can run until a worker reports (a pull ends, a lease ends): no running
-        request, every waiting one waits for its KV (a new request wakes ``_rest``)."""
-        sched = self._engine_core.scheduler
-        if sched.running or getattr(sched, "finished_recving_kv_req_ids", None):
-            return False  # running, or a finished load still to be promoted
-        waiting = (
-            *sched.waiting,
-            *getattr(sched, "kv_holding_waiting", ()),
-            *getattr(sched, "deferred_waiting", ()),
-        )
-        return all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in waiting)
 
     def _rest(self) -> None:
         """Do not let vLLM step until a worker has something to report or a request arrives.
@@ -317,24 +358,21 @@ class SchedulerHalf:
         wakes its workers, whose message-queue readers then busy-wait for a second: without
         this an idle prefill or decode keeps two cores busy. Both events arrive in vLLM's input
         queue (a worker's wake-up as a no-op WAKEUP request, see ``_wake_engine_core``), so the
-        wait is on that queue's own condition, which ``put`` notifies: nothing polls."""
+        wait is on that queue's own condition, which ``put`` notifies: nothing polls
+        (``vllm_glue.EngineCoreHandle``)."""
         if self._woken.is_set():
             # A worker reported after the last step collected its results, and vLLM may have
             # taken the no-op request off the queue already: step now, do not wait for another.
             self._woken.clear()
             return
-        inputs: queue.Queue = self._engine_core.input_queue
-        with inputs.not_empty:
-            inputs.not_empty.wait_for(
-                lambda: inputs._qsize() > 0 or self._woken.is_set(), timeout=MAX_REST_S
-            )
+        self._engine_core.rest(self._woken)
         self._woken.clear()
 
     def _wake_engine_core(self) -> None:
         """Thread-safe: a no-op request that ends ``_rest`` (nothing without an engine core)."""
         self._woken.set()
         if self._engine_core is not None:
-            self._engine_core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+            self._engine_core.wake()
 
     def get_stats(self) -> MooncakeStats | None:
         """The producer's lease figures, reported by vLLM after every step's update (so a lease
@@ -345,6 +383,7 @@ class SchedulerHalf:
         for reason, n in self._leases.take_ended_counts().items():
             if reason in ("released", "expired", "evicted"):
                 stats.count(reason, n)
+        stats.count("rejected_frames", sum(self._leases.take_dropped_counts().values()))
         stats.data["held_leases"] = self._leases.held_count
         stats.data["held_bytes"] = self._leases.held_bytes
         return stats
@@ -354,6 +393,14 @@ class SchedulerHalf:
             self._leases.close()
         if self._waker is not None:
             self._waker.close()
+
+
+@dataclass
+class SharedPull:
+    """One transfer's pull, as the requests carrying its id see it."""
+
+    puller: str  # the request that pulls
+    state: Literal["pulling", "done", "failed"] = "pulling"
 
 
 class BlockPins:
@@ -384,17 +431,3 @@ class BlockPins:
 
     def __len__(self) -> int:
         return len(self._pinned)
-
-
-def _find_engine_core() -> Any | None:
-    """vLLM's engine core building this scheduler (its input queue tells when a request arrives),
-    found on the call stack; None where there is none (e.g. an in-process test)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(getattr(owner, "input_queue", None), queue.Queue) and type(
-            owner
-        ).__name__.startswith("EngineCore"):
-            return owner
-        frame = frame.f_back
-    return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
 
 import msgspec
@@ -65,7 +65,9 @@ class PeerGuard:
         max_peers: int,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self._rate, self._burst = rate_per_s, 2 * rate_per_s
+        # At least one frame: below 0.5 frames/s two seconds' worth is less than one, and a
+        # bucket that never holds a whole token would refuse every frame forever.
+        self._rate, self._burst = rate_per_s, max(1.0, 2 * rate_per_s)
         self._max_peers = max_peers
         self._clock = clock
         self._peers: OrderedDict[bytes, list[float]] = OrderedDict()  # id -> [tokens, at]
@@ -120,6 +122,7 @@ class SideChannelServer:
         *,
         context: zmq.Context,
         keys: Keys = (),
+        incarnation: str = "",
         guard: PeerGuard | None = None,
         max_frame_bytes: int = 1 << 20,
         on_grant: Callable[[str], None] | None = None,
@@ -129,6 +132,7 @@ class SideChannelServer:
         self._leases = leases
         self._layout = layout
         self._keys = keys
+        self._incarnation = incarnation
         self._replays = ReplayGuard()
         self.guard = guard if guard is not None else PeerGuard(2000.0, 256)
         self._on_grant = on_grant
@@ -192,6 +196,13 @@ class SideChannelServer:
         )
 
     def _answer_acquire(self, identity: bytes, nonce: bytes, frame: Acquire) -> None:
+        if frame.incarnation != self._incarnation:
+            reason = (
+                f"the producer restarted: this is incarnation {self._incarnation or '-'}, the "
+                f"handoff is from {frame.incarnation or '-'}"
+            )
+            self._send(identity, nonce, Refused(frame.transfer_id, reason))
+            return
         got = self._acquire(frame)
         if got is None:
             self._on_unknown()
@@ -200,7 +211,8 @@ class SideChannelServer:
             segment, segments = self._layout()
             if self._on_grant is not None:
                 self._on_grant(frame.transfer_id)
-            self._send(identity, nonce, Granted(frame.transfer_id, segment, segments))
+            granted = Granted(frame.transfer_id, segment, segments, self._incarnation)
+            self._send(identity, nonce, granted)
         else:
             if got is None:
                 self.guard.drop("unknown transfer id")
@@ -228,14 +240,16 @@ class SideChannelClient:
 
     def __init__(self, keys: Keys = ()) -> None:
         self._keys = keys
-        self.rejected = 0  # replies dropped: malformed or not verifying (read by the worker)
+        self.rejected = 0  # replies dropped: malformed or not verifying (under _lock)
+        # Per socket: nonces of calls that timed out, whose late replies are skipped uncounted.
+        self._late: defaultdict[zmq.Socket, deque[bytes]] = defaultdict(lambda: deque(maxlen=8))
         self._ctx = latency_zmq_context()
         self._idle: dict[str, list[zmq.Socket]] = {}
-        self.guard = threading.Lock()
+        self._lock = threading.Lock()
         self._closed = False
 
     def _checkout(self, address: str) -> zmq.Socket:
-        with self.guard:
+        with self._lock:
             if self._closed:
                 raise SideChannelError("side-channel client is closed")
             idle = self._idle.setdefault(address, [])
@@ -247,7 +261,7 @@ class SideChannelClient:
         return sock
 
     def _checkin(self, address: str, sock: zmq.Socket) -> None:
-        with self.guard:
+        with self._lock:
             if self._closed:
                 sock.close()
             else:
@@ -263,27 +277,43 @@ class SideChannelClient:
                 while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
                     if not sock.poll(left_ms):
                         break
-                    try:
-                        reply = decode_frame(open_frame(self._keys, sock.recv(), REPLY, nonce)[0])
-                    except AuthError as e:  # not an answer to this request: keep waiting
-                        self.rejected += 1
-                        logger.debug("dropping a reply from %s that does not verify (%s)",
-                                     address, e)  # fmt: skip
-                        continue
-                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                        self.rejected += 1
-                        logger.warning("dropping malformed reply from %s: %s", address, e)
-                        continue
+                    reply = self._open(address, sock, sock.recv(), nonce)
                     if getattr(reply, "transfer_id", None) == frame.transfer_id:
                         return reply
+                self._late[sock].append(nonce)  # its reply may still come on this socket
                 raise SideChannelError(
                     f"no answer from producer side channel {address} in {timeout_s:.1f}s"
                 )
         finally:
             self._checkin(address, sock)
 
+    def _open(self, address: str, sock: zmq.Socket, data: bytes, nonce: bytes) -> Frame | None:
+        """The reply in ``data`` if it answers ``nonce``; None otherwise, counted in
+        ``rejected`` unless it is the late answer to an earlier call on this socket."""
+        try:
+            return decode_frame(open_frame(self._keys, data, REPLY, nonce)[0])
+        except AuthError as e:
+            for late in self._late[sock]:  # sealed for a call that gave up waiting: skip it
+                try:
+                    open_frame(self._keys, data, REPLY, late)
+                    return None
+                except AuthError:
+                    continue
+            logger.debug("dropping a reply from %s that does not verify (%s)", address, e)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.warning("dropping malformed reply from %s: %s", address, e)
+        with self._lock:
+            self.rejected += 1
+        return None
+
+    def take_rejected(self) -> int:
+        """Replies dropped since the last call (malformed, or not verifying)."""
+        with self._lock:
+            out, self.rejected = self.rejected, 0
+            return out
+
     def close(self) -> None:
-        with self.guard:
+        with self._lock:
             self._closed = True
             for socks in self._idle.values():
                 for sock in socks:

@@ -25,6 +25,7 @@ decides under a lock).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +35,7 @@ import torch
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from mooncake_vllm.auth import AuthError, host_allowed, open_record, seal_record, short_id
 from mooncake_vllm.config import ConnectorConfig
 from mooncake_vllm.engine import TransferEngine
 from mooncake_vllm.local_channels import WakeSender, claim, wake_endpoint
@@ -42,6 +44,7 @@ from mooncake_vllm.metadata_bridge import MetadataBridge
 from mooncake_vllm.os_threads import make_latency_critical, name_this_thread
 from mooncake_vllm.planning import plan_regions, producer_rank_for, tensor_segments
 from mooncake_vllm.protocol import (
+    OWNER_BYTES,
     Acquire,
     EngineRecord,
     Granted,
@@ -159,9 +162,10 @@ class WorkerHalf:
         self._stats_lock = threading.Lock()
         self._bridge: MetadataBridge | None = None
         self._compat_hash = compat_hash
+        self._keys = cfg.settings.auth_keys()  # read once: a rotated secret needs a restart
         self._releases: ThreadPoolExecutor | None = None
         if cfg.is_consumer:
-            self._client = SideChannelClient()
+            self._client = SideChannelClient(self._keys)
             self._pool = ThreadPoolExecutor(
                 _PULL_THREADS, thread_name_prefix="mooncake-pull", initializer=_init_pull_thread
             )
@@ -227,7 +231,10 @@ class WorkerHalf:
                 te_segment=self._engine.segment_name,
                 compat_hash=self._compat_hash,
             )
-            self._bridge.publish(registry_key(cfg.engine_id, self._tp_rank), encode_record(record))
+            self._bridge.publish(
+                registry_key(cfg.engine_id, self._tp_rank),
+                seal_record(self._keys, encode_record(record)),
+            )
             if self._tp_rank == 0:
                 self._publish_serving_url()
         logger.info(
@@ -254,7 +261,10 @@ class WorkerHalf:
         record = ServingRecord(
             engine_id=cfg.engine_id, role=cfg.role, url=url, compat_hash=self._compat_hash
         )
-        self._bridge.publish(serving_key(cfg.engine_id), encode_serving(record))
+        self._bridge.publish(
+            serving_key(cfg.engine_id),
+            seal_record(self._keys, encode_serving(record)),
+        )
         logger.info("MooncakeConnector: published %s %s for proxy discovery", cfg.role, url)
 
     @property
@@ -348,6 +358,8 @@ class WorkerHalf:
 
     def get_stats(self) -> MooncakeStats | None:
         with self._stats_lock:
+            if self._client is not None:
+                self._stats.count("rejected_frames", self._client.take_rejected())
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, MooncakeStats()
@@ -361,31 +373,28 @@ class WorkerHalf:
         address = None
         if not load.local_block_ids:  # vLLM does not wait on this one: just free the lease
             if h is not None:
-                try:
-                    self._release(self._producer_address(h), h.transfer_id, load.error is None)
-                except Exception as e:  # the producer's lease TTL frees the blocks anyway
-                    logger.warning("release of %s failed: %s", h.transfer_id, e)
+                self._give_back(h, load.error is None)
             return PullOutcome(load.req_id, ok=True)
+        # Only the holder of this token can release the lease this pull acquires.
+        owner = secrets.token_bytes(OWNER_BYTES)
         acquired = succeeded = False
         try:
             if load.error is not None:
                 if h is not None:  # rejected (e.g. another model's KV): free its lease now
-                    self._releases.submit(self._release_rejected, h)
+                    self._releases.submit(self._give_back, h, False)
                 raise PullFailed(load.error)
             assert h is not None and self._engine is not None
             address = self._producer_address(h)
-            # Every consumer rank reads a replicated latent: they share one producer lease.
-            readers = self._cfg.tp_size if self._kv_replicated else 1
-            reply = self._client.call(
-                address,
-                Acquire(h.transfer_id, load.remote_block_ids, readers),
-                timeout_s=max(0.1, deadline - time.monotonic()),
-            )
+            reply = self._acquire(address, h, owner, timeout_s=deadline - time.monotonic())
             if isinstance(reply, Refused):
                 return PullOutcome(load.req_id, ok=False, reason=reply.reason, refused=True)
-            if not isinstance(reply, Granted):
-                raise PullFailed(f"unexpected reply {type(reply).__name__}")
             acquired = True
+            self._check_trusted(reply.te_segment.rpartition(":")[0], "transfer-engine segment")
+            if reply.incarnation != h.producer_incarnation:
+                raise PullFailed(
+                    f"granted by incarnation {reply.incarnation!r} of the producer, the handoff "
+                    f"is from {h.producer_incarnation!r}"
+                )
             acquired_at = time.monotonic()
             regions = plan_regions(
                 reply.segments, self._segments, load.remote_block_ids, load.local_block_ids
@@ -398,6 +407,7 @@ class WorkerHalf:
                 reply.segments[0].base_addr,
                 deadline=deadline,
                 stall_s=s.stall_timeout_s,
+                incarnation=reply.incarnation,
             )
             read = self._engine.read(
                 reply.te_segment,
@@ -429,7 +439,7 @@ class WorkerHalf:
             return PullOutcome(load.req_id, ok=False, reason=f"{type(e).__name__}: {e}")
         finally:
             if acquired and h is not None and address is not None:
-                self._releases.submit(self._release, address, h.transfer_id, succeeded)
+                self._releases.submit(self._release, address, h.transfer_id, owner, succeeded)
 
     def _producer_address(self, h: Handoff) -> str:
         """The side channel of the producer rank this worker pulls from: named in the handoff,
@@ -447,24 +457,58 @@ class WorkerHalf:
         data = self._bridge.lookup(registry_key(h.producer_engine_id, rank))
         if data is None:
             raise PullFailed(f"producer engine {h.producer_engine_id!r} is not in the registry")
-        record = decode_record(data)
+        try:
+            record = decode_record(open_record(self._keys, data))
+        except AuthError as e:
+            raise PullFailed(f"registry record of {h.producer_engine_id!r}: {e}") from e
         if not record.side_channel:
             raise PullFailed(f"engine {h.producer_engine_id!r} is a {record.role}, not a producer")
         if record.compat_hash != h.compat_hash:
             raise PullFailed(f"registry compat hash of {h.producer_engine_id!r} differs")
+        self._check_trusted(record.side_channel.rpartition(":")[0], "registry side channel")
         return record.side_channel
 
-    def _release_rejected(self, h: Handoff) -> None:
-        try:
-            self._release(self._producer_address(h), h.transfer_id, False)
-        except Exception as e:  # the producer's lease TTL frees the blocks anyway
-            logger.info("release of rejected transfer %s failed: %s", h.transfer_id, e)
+    def _check_trusted(self, host: str, what: str) -> None:
+        trusted = self._cfg.settings.trusted_producers
+        if trusted is not None and not host_allowed(host, trusted):
+            raise PullFailed(
+                f"{what} {host!r} is not in trusted_producers {trusted}; add it there to pull "
+                "from it"
+            )
 
-    def _release(self, address: str, transfer_id: str, ok: bool) -> None:
+    def _acquire(
+        self, address: str, h: Handoff, owner: bytes, timeout_s: float
+    ) -> Granted | Refused:
+        # Every consumer rank reads a replicated latent: they share one producer lease. The
+        # acquire names all the hold's blocks, whatever this consumer reads of them.
+        readers = self._cfg.tp_size if self._kv_replicated else 1
+        reply = self._client.call(
+            address,
+            Acquire(h.transfer_id, h.remote_block_ids, owner, readers, h.producer_incarnation),
+            timeout_s=max(0.1, timeout_s),
+        )
+        if not isinstance(reply, Granted | Refused):
+            raise PullFailed(f"unexpected reply {type(reply).__name__}")
+        return reply
+
+    def _give_back(self, h: Handoff, ok: bool) -> None:
+        """Ends the lease of a handoff this consumer will not read (its prompt is cached here,
+        or the handoff was rejected): acquire, then release, since only an owner may release."""
+        owner = secrets.token_bytes(OWNER_BYTES)
         try:
-            self._client.call(address, Release(transfer_id, ok), timeout_s=_RELEASE_TIMEOUT_S)
+            address = self._producer_address(h)
+            if isinstance(self._acquire(address, h, owner, _RELEASE_TIMEOUT_S), Granted):
+                self._release(address, h.transfer_id, owner, ok)
         except Exception as e:  # the producer's lease TTL frees the blocks anyway
-            logger.warning("release of %s at %s failed: %s", transfer_id, address, e)
+            logger.info("giving back transfer %s failed: %s", short_id(h.transfer_id), e)
+
+    def _release(self, address: str, transfer_id: str, owner: bytes, ok: bool) -> None:
+        try:
+            self._client.call(
+                address, Release(transfer_id, ok, owner), timeout_s=_RELEASE_TIMEOUT_S
+            )
+        except Exception as e:  # the producer's lease TTL frees the blocks anyway
+            logger.warning("release of %s at %s failed: %s", short_id(transfer_id), address, e)
 
     # ---- teardown ------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import zmq
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from harness.servers import free_port
@@ -133,11 +134,42 @@ def test_a_full_local_prefix_hit_pulls_nothing_and_only_releases_the_lease(consu
     assert load.handoff.transfer_id == "t-1"  # the worker releases the producer's lease
 
 
-def test_a_replayed_transfer_id_is_rejected_without_touching_the_first_requests_lease(consumer):
+def loaded(req_ids, failed=()):
+    """What vLLM hands ``update_connector_output`` after workers report loads done."""
+    return KVConnectorOutput(finished_recving=set(req_ids), failed_recving=set(failed))
+
+
+def test_requests_sharing_a_transfer_id_pull_it_once_and_follow_the_first(consumer):
+    """vLLM's n > 1 children (or a replayed handoff) carry one transfer id: the first pulls; the
+    others ask again while it is in flight, then take the local prefix cache, never the lease."""
+    _, _, (load,) = plan(consumer, request("r1", 300, handoff_params(300)), Blocks([10, 11, 12]))
+    assert load.handoff is not None and load.error is None
+    child = request("r2", 300, handoff_params(300))
+    assert consumer.get_num_new_matched_tokens(child, 0) == (None, False)  # ask again later
+    assert consumer.get_num_new_matched_tokens(child, 256) == (None, False)
+    consumer.update_connector_output(loaded(["r1"]))  # the first's load is done
+    assert consumer.get_num_new_matched_tokens(child, 256) == (0, False)  # 256 cached here
+    consumer.update_state_after_alloc(child, Blocks([20, 21, 22]), 0)
+    assert consumer.build_connector_meta(STEP).loads == []  # no pull, no release: not its lease
+
+
+def test_requests_following_a_failed_pull_fail_with_it_without_touching_the_lease(consumer):
     plan(consumer, request("r1", 300, handoff_params(300)), Blocks([10, 11, 12]))
-    _, _, (load,) = plan(consumer, request("r2", 300, handoff_params(300)), Blocks([20, 21, 22]))
+    consumer.update_connector_output(loaded(["r1"], failed=["r1"]))
+    _, is_async, (load,) = plan(
+        consumer, request("r2", 300, handoff_params(300)), Blocks([20, 21, 22])
+    )
+    assert is_async  # claimed, so the worker reports it failed and vLLM's policy decides
     assert load.handoff is None
-    assert "duplicate transfer id t-1 (already used by r1)" in load.error
+    assert "the pull of transfer t-1 this request shares (r1) failed" in load.error
+
+
+def test_a_puller_whose_prompt_is_cached_here_lets_its_followers_go_at_once(consumer):
+    req = request("r1", 300, handoff_params(300))
+    assert consumer.get_num_new_matched_tokens(req, 300) == (0, False)
+    consumer.update_state_after_alloc(req, Blocks([]), 0)  # nothing to pull: no outcome comes
+    child = request("r2", 300, handoff_params(300))
+    assert consumer.get_num_new_matched_tokens(child, 300) == (0, False)
 
 
 def test_a_handoff_from_another_model_is_rejected_but_its_lease_is_released(consumer):
@@ -207,7 +239,7 @@ def test_blocks_to_fill_are_pinned_until_the_worker_settles_the_load(consumer):
     assert [b.ref_cnt for b in blocks] == [2, 2, 2]
     assert consumer.has_pending_work()  # vLLM keeps stepping even once the request is gone
     consumer.update_connector_output(
-        SimpleNamespace(kv_connector_worker_meta=MooncakeWorkerMeta(["r1"]))
+        KVConnectorOutput(kv_connector_worker_meta=MooncakeWorkerMeta(["r1"]))
     )
     assert [b.ref_cnt for b in blocks] == [1, 1, 1]
     assert not consumer.has_pending_work()
@@ -478,3 +510,37 @@ def test_the_refusal_names_both_kv_layouts():
         half.shutdown()
     assert "producer: MLA latent 512+64 (any TP size), 2 layers" in load.error
     assert "this consumer: per-head K/V 4 heads x 64 (TP 1), 2 layers" in load.error
+
+
+@pytest.mark.parametrize(
+    ("producer_model", "consumer_model", "named"),
+    [
+        ("a" * 64, "b" * 64, ("model aaaaaaaaaaaa", "model bbbbbbbbbbbb")),  # two fingerprints
+        ("team/ft-1", "team/ft-2", ("model team/ft-1", "model team/ft-2")),  # declared names
+    ],
+)
+def test_the_same_layout_with_another_model_is_refused_naming_both_models(
+    producer_model, consumer_model, named
+):
+    """A fine-tune of the same shape: equal KV layouts, different model identities."""
+    settings = load_settings({"decode_url": "127.0.0.1:17000"}, env={})
+    llama = engine_config()
+    assert engine_compat_hash(llama, producer_model) != engine_compat_hash(llama, consumer_model)
+    half = SchedulerHalf(
+        resolve(settings, "kv_consumer", "decode", 1),
+        BLOCK,
+        engine_compat_hash(llama, consumer_model),
+        kv_layout=engine_kv_layout(llama, consumer_model),
+    )
+    try:
+        params = handoff_params(
+            300,
+            compat_hash=engine_compat_hash(llama, producer_model),
+            kv_layout=engine_kv_layout(llama, producer_model),
+        )
+        _, _, (load,) = plan(half, request("r1", 300, params), Blocks([10, 11, 12]))
+    finally:
+        half.shutdown()
+    assert "compat hash mismatch" in load.error
+    producer_words, consumer_words = load.error.split("; producer: ")[1].split(", this consumer: ")
+    assert producer_words.endswith(named[0]) and consumer_words.endswith(named[1])

@@ -9,7 +9,7 @@ from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 from mooncake_vllm.config import MooncakeSettings
 from mooncake_vllm.pool.config import PoolSettings
-from mooncake_vllm.vllm_spin import shorten_gil_switch_interval, shorten_queue_spin
+from mooncake_vllm.vllm_glue import shorten_gil_switch_interval, shorten_queue_spin
 
 POOL = dict(master_server_address="127.0.0.1:50051", metadata_server="http://h:8080/metadata")
 

@@ -71,6 +71,10 @@ class FakeSideChannel:
         self.addresses: list[str] = []
         self.rejected = 0  # replies that did not verify (SideChannelClient)
 
+    def take_rejected(self) -> int:
+        out, self.rejected = self.rejected, 0
+        return out
+
     def call(self, address, frame, timeout_s):
         self.frames.append(frame)
         self.addresses.append(address)

@@ -65,9 +65,15 @@ class PoolSettings(BaseModel):
     # The scheduler's existence check; past it the prompt counts as a miss (computed here).
     lookup_timeout_s: float = Field(1.0, gt=0, le=30)
     # Seconds vLLM's queue readers in this engine busy-wait after a message (vLLM: 1 s);
-    # null keeps vLLM's. See ``mooncake_vllm.vllm_spin``. Not below 20 ms: at 0 a reader that
+    # null keeps vLLM's. See ``mooncake_vllm.vllm_glue``. Not below 20 ms: at 0 a reader that
     # misses a wake-up waits for vLLM's 5 s recheck (measured: 32 tokens took 155 s).
     vllm_busy_loop_s: float | None = Field(0.02, ge=0.02, le=1)
+    # The model in the keys' salt: by default a fingerprint of the model's files; set it when
+    # engines load the same weights from files that differ (a declared name, the same on all).
+    model_identity: str | None = None
+    # Run on a vLLM outside the tested versions, or one whose internals moved, with plain
+    # fallbacks (``vllm_glue``); otherwise such a vLLM stops at startup, naming what changed.
+    allow_untested_vllm: bool = False
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod

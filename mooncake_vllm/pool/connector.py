@@ -23,13 +23,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from mooncake_vllm.config import ConfigError, load_settings
 from mooncake_vllm.cpu_mla import warn_cpu_mla_rope
+from mooncake_vllm.model_identity import engine_model_identity
 from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.pool.config import PoolSettings, check_reachable
 from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
 from mooncake_vllm.pool.stats import PoolPromMetrics, PoolStats
 from mooncake_vllm.pool.step_metadata import PoolConnectorMetadata
 from mooncake_vllm.scheduler import engine_compat_hash
-from mooncake_vllm.vllm_spin import shorten_queue_spin
+from mooncake_vllm.sleep_mode import refuse_sleep_mode
+from mooncake_vllm.vllm_glue import check_vllm, shorten_queue_spin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,6 +51,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        refuse_sleep_mode(vllm_config, "MooncakeStoreConnector")  # before anything is registered
         use_vllm_logging()
         ktc = vllm_config.kv_transfer_config
         settings: PoolSettings = load_settings(ktc.kv_connector_extra_config, model=PoolSettings)
@@ -58,6 +61,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 "'kv_consumer' or 'kv_both'"
             )
         check_reachable(settings)
+        check_vllm(settings.allow_untested_vllm)
         shorten_queue_spin(settings.vllm_busy_loop_s)
         is_producer = ktc.kv_role in ("kv_producer", "kv_both")
         is_consumer = ktc.kv_role in ("kv_consumer", "kv_both")
@@ -75,7 +79,10 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 is_producer=is_producer,
                 is_consumer=is_consumer,
                 block_size=vllm_config.cache_config.block_size,
-                salt=engine_compat_hash(vllm_config),
+                # Keys of another model's KV (even of the same shape) never match.
+                salt=engine_compat_hash(
+                    vllm_config, engine_model_identity(vllm_config, settings.model_identity)
+                ),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 store=store,
                 replicated_kv=vllm_config.model_config.use_mla,
