@@ -111,6 +111,9 @@ class MooncakeSettings(BaseModel):
     # Run on a vLLM outside the tested versions, or one whose internals moved, with plain
     # fallbacks (``vllm_glue``); otherwise such a vLLM stops at startup, naming what changed.
     allow_untested_vllm: bool = False
+    # Priority of our latency-critical threads (``os_threads``): off, nice, or realtime (SCHED_FIFO
+    # where the process may take it). The default touches no other process's share of a host.
+    thread_priority: Literal["off", "nice", "realtime"] = "nice"
 
     @field_validator("prefill_url", "decode_url")
     @classmethod

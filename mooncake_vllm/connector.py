@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from mooncake_vllm import os_threads
 from mooncake_vllm.config import load_settings, resolve
 from mooncake_vllm.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.lease_service import RankLayout
@@ -72,6 +73,7 @@ class MooncakeConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         settings = load_settings(ktc.kv_connector_extra_config)
         probe = check_vllm(settings.allow_untested_vllm)
+        os_threads.set_policy(settings.thread_priority)
         shorten_queue_spin(settings.vllm_busy_loop_s)
         self._cfg = resolve(
             settings,

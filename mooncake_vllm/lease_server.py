@@ -36,7 +36,12 @@ import zmq
 
 from mooncake_vllm.leases import LeaseTable
 from mooncake_vllm.local_channels import WakeSender
-from mooncake_vllm.os_threads import latency_zmq_context, make_latency_critical, name_this_thread
+from mooncake_vllm.os_threads import (
+    latency_zmq_context,
+    make_latency_critical,
+    name_this_thread,
+    set_policy,
+)
 from mooncake_vllm.protocol import MemSegment
 from mooncake_vllm.side_channel import PeerGuard, SideChannelError, SideChannelServer
 
@@ -80,6 +85,7 @@ class Start(msgspec.Struct, tag="start", frozen=True, kw_only=True):
     wake_endpoint: str  # the engine core's wake-up socket (``local_channels``)
     keys: list[bytes] = []  # the shared secret (``auth``); over the private socket pair only
     incarnation: str = ""  # this start of the producer (``Handoff.producer_incarnation``)
+    thread_priority: str = "nice"  # ``os_threads`` policy
     max_frame_bytes: int = 1 << 20
     peer_rate: float = 2000.0
     max_peers: int = 256
@@ -292,6 +298,7 @@ def main() -> None:
     start = command_decoder.decode(conn.recv_bytes())
     if not isinstance(start, Start):
         raise SystemExit(f"lease server: expected Start, got {type(start).__name__}")
+    set_policy(start.thread_priority)
     priority = make_latency_critical(_NICE)
     try:
         server = LeaseServer(start, conn)

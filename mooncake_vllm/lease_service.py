@@ -104,6 +104,7 @@ class LeaseService:
             wake_endpoint=wake_endpoint,
             keys=list(keys),
             incarnation=self.incarnation,
+            thread_priority=s.thread_priority,
             max_frame_bytes=s.side_channel_max_frame_bytes,
             peer_rate=s.side_channel_peer_rate,
             max_peers=s.side_channel_max_peers,

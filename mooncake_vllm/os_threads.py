@@ -1,5 +1,13 @@
 """OS-level settings of our threads: names (so ``top -H``, ``perf sched`` and ``py-spy`` tell them
-apart from vLLM's; Python does not name native threads) and priority."""
+apart from vLLM's; Python does not name native threads) and priority.
+
+Priority follows one process-wide policy, the connectors' ``thread_priority`` setting
+(``set_policy``): ``off`` leaves every thread as the OS made it; ``nice`` (the default) lowers the
+nice value of the threads that mostly sleep and must answer within a millisecond (pull threads, the
+lease server), where the process may (CAP_SYS_NICE: a no-op for an ordinary user on a shared host);
+``realtime`` gives them, the transfer engine's TCP threads and our ZeroMQ I/O threads SCHED_FIFO 1
+where allowed, else the ``nice`` behaviour. None of them spins, so neither can take a core from
+others for longer than a transfer; docs/benchmarks.md has the A/B behind the default."""
 
 from __future__ import annotations
 
@@ -29,6 +37,20 @@ def name_this_thread(name: str) -> None:
 
 
 _priority_refused = False
+Policy = str  # "off" | "nice" | "realtime"
+_policy: Policy = "nice"
+
+
+def set_policy(policy: Policy) -> None:
+    """The process's ``thread_priority`` (set once, when a connector is built)."""
+    global _policy
+    if policy not in ("off", "nice", "realtime"):
+        raise ValueError(f"thread_priority={policy!r}: accepted 'off', 'nice', 'realtime'")
+    _policy = policy
+
+
+def policy() -> Policy:
+    return _policy
 
 
 def raise_priority(nice: int) -> bool:
@@ -36,7 +58,7 @@ def raise_priority(nice: int) -> bool:
     that mostly sleeps (the side channel) otherwise waits tens of ms for a CPU behind vLLM's
     busy-waiting threads. Needs CAP_SYS_NICE; without it, says so once and carries on."""
     global _priority_refused
-    if sys.platform != "linux":
+    if sys.platform != "linux" or _policy == "off":
         return False
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
@@ -49,10 +71,15 @@ def raise_priority(nice: int) -> bool:
         return False
 
 
-@cache
 def realtime_allowed() -> bool:
-    """Whether threads of this process may take SCHED_FIFO (root or CAP_SYS_NICE, and a cgroup
-    that grants real-time time). Probed once on a throwaway thread."""
+    """Whether our threads take SCHED_FIFO: the policy asks for it and the process may (root or
+    CAP_SYS_NICE, and a cgroup that grants real-time time)."""
+    return _policy == "realtime" and _realtime_permitted()
+
+
+@cache
+def _realtime_permitted() -> bool:
+    """Probed once on a throwaway thread."""
     if sys.platform != "linux":
         return False
     allowed = []

@@ -74,6 +74,8 @@ class PoolSettings(BaseModel):
     # Run on a vLLM outside the tested versions, or one whose internals moved, with plain
     # fallbacks (``vllm_glue``); otherwise such a vLLM stops at startup, naming what changed.
     allow_untested_vllm: bool = False
+    # Priority of the store's transfer threads (``mooncake_vllm.os_threads``).
+    thread_priority: Literal["off", "nice", "realtime"] = "nice"
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from mooncake_vllm import os_threads
 from mooncake_vllm.config import ConfigError, load_settings
 from mooncake_vllm.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.model_identity import engine_model_identity
@@ -62,6 +63,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             )
         check_reachable(settings)
         check_vllm(settings.allow_untested_vllm)
+        os_threads.set_policy(settings.thread_priority)
         shorten_queue_spin(settings.vllm_busy_loop_s)
         is_producer = ktc.kv_role in ("kv_producer", "kv_both")
         is_consumer = ktc.kv_role in ("kv_consumer", "kv_both")
