@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mooncake_vllm import auth
 from mooncake_vllm.metadata import MetadataAuth, check_auth, parse_metadata_server
-from mooncake_vllm.proxy.http_servers import DEFAULT_HTTP_SERVER, HttpServer
+from mooncake_vllm.proxy.http_servers import DEFAULT_HTTP_SERVER, HttpServer, check_installed
 from mooncake_vllm.proxy.routing import Policy
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -93,6 +93,11 @@ class ProxyConfig(BaseModel):
     health_interval_s: float = Field(5.0, gt=0)
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
     log_level: LogLevel = "info"
+
+    @field_validator("server")
+    @classmethod
+    def _server(cls, server: HttpServer) -> HttpServer:
+        return check_installed(server)
 
     @field_validator("prefill", "decode")
     @classmethod

@@ -115,6 +115,24 @@ async def _until_trigger(
             serve_task.cancel()
 
 
+# The module each server needs; uvicorn's come with the package, the others with its
+# ``proxy-servers`` extra.
+_MODULES = {HttpServer.GRANIAN: "granian", HttpServer.HYPERCORN: "hypercorn"}
+
+
+def check_installed(server: HttpServer) -> HttpServer:
+    """``server`` if it can be imported; ValueError naming the extra to install otherwise."""
+    import importlib.util
+
+    module = _MODULES.get(server)
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise ValueError(
+            f"{server.value} is not installed: pip install 'mooncake-vllm[proxy-servers]', "
+            "or use the default --server uvicorn"
+        )
+    return server
+
+
 SERVE = {
     HttpServer.UVICORN: serve_uvicorn,
     HttpServer.GRANIAN: serve_granian,
