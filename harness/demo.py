@@ -92,14 +92,15 @@ def start_servers(model: str, workdir: Path, log_dir: Path):
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     say(f"mooncake.json ({cfg}):\n{cfg.read_text()}")
     specs = [
-        ServerSpec("prefill", PREFILL_HOST, kv_args("kv_producer"), env),
+        ServerSpec("prefill", PREFILL_HOST, kv_args("kv_producer"), env, cli=True),
         ServerSpec(
-            "decode", DECODE_HOST, kv_args("kv_consumer", kv_load_failure_policy="recompute"), env
+            "decode", DECODE_HOST, kv_args("kv_consumer", kv_load_failure_policy="recompute"), env,
+            cli=True,
         ),
-    ]
+    ]  # fmt: skip
     for s in specs:
-        say(f"{s.name}: MOONCAKE_CONFIG_PATH={cfg} python -m vllm.entrypoints.openai.api_server "
-            f"--model {model} --host {s.host} {' '.join(map(_quote, s.args))}")  # fmt: skip
+        say(f"{s.name}: MOONCAKE_CONFIG_PATH={cfg} vllm serve {model} --host {s.host} "
+            f"{' '.join(map(_quote, s.args))}")  # fmt: skip
     say("starting prefill and decode (vLLM takes a few minutes to start on 2 cores)")
     done = threading.Event()
     before = set(log_dir.glob("*.log")) if log_dir.exists() else set()

@@ -70,6 +70,7 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     model: str | None = None  # another model than ``start_many``'s
     cwd: Path | None = None  # where ``python -m`` starts: its first sys.path entry
+    cli: bool = False  # start it as ``vllm serve MODEL ...`` (see ``start_vllm``)
 
 
 def start_many(
@@ -91,6 +92,7 @@ def start_many(
                 timeout_s=timeout_s,
                 log_dir=log_dir,
                 cwd=s.cwd,
+                cli=s.cli,
             )
             for s in specs
         ]

@@ -300,15 +300,21 @@ def start_vllm(
     log_dir: Path | None = None,
     timeout_s: float = 300.0,
     cwd: Path | None = None,
+    cli: bool = False,
 ) -> VllmServer:
-    """Start ``python -m vllm.entrypoints.openai.api_server`` and wait for ``/health``.
+    """Start ``python -m vllm.entrypoints.openai.api_server`` and wait for ``/health``; with
+    ``cli``, vLLM's command as the guides write it: ``vllm serve MODEL ...``.
 
     ``cwd``: ``python -m`` puts it first on ``sys.path``, so a checkout there is the one whose
-    ``mooncake_vllm`` the server imports (an A/B of code, ``benchmarks.serving --ours-b-src``)."""
+    ``mooncake_vllm`` the server imports (an A/B of code, ``benchmarks.serving --ours-b-src``).
+    ``vllm serve`` imports the installed one wherever it starts."""
     port = port or free_port(host)
+    if cli:
+        launch = [str(Path(sys.executable).with_name("vllm")), "serve", str(model)]
+    else:
+        launch = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model),
+        *launch,
         "--host", host,
         "--port", str(port),
         "--dtype", "float32",
