@@ -9,7 +9,7 @@ each KV shape and prompt length, the same bytes are moved four ways, interleaved
 
 - ``ours``: what the decode worker does for one pull — ``plan_regions`` over the layer
   segments (``tensor_segments``) for the prompt's blocks, then ``TransferEngine.read``
-  (``mooncake_vllm.engine``: one-entry batches, non-blocking status polls, deadline);
+  (``mooncake_vllm.transfer.engine``: one-entry batches, non-blocking status polls, deadline);
 - ``raw_te``: the bare ``mooncake.engine`` object, one ``batch_transfer_sync_read`` of the same
   number of bytes per layer cut in large (``--chunk-mib``) contiguous chunks;
 - ``socket``: the producer sends the same number of bytes over a loopback TCP socket;
@@ -39,8 +39,8 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.transfer_peer import allocate, block_byte
-from mooncake_vllm.engine import TransferEngine
-from mooncake_vllm.planning import plan_regions, tensor_segments
+from mooncake_vllm.core.planning import plan_regions, tensor_segments
+from mooncake_vllm.transfer.engine import TransferEngine
 
 PRODUCER_HOST, CONSUMER_HOST = "127.0.0.2", "127.0.0.3"
 METHODS = ["ours", "raw_te", "socket", "memcpy"]

@@ -1,9 +1,9 @@
 """The producer side of the transfer benchmark, run as its own process by ``benchmarks.transfer``.
 
 Allocates KV-shaped layer buffers, fills every (layer, block) with a known byte, registers them with
-a transfer engine (``mooncake_vllm.engine``) and serves a loopback TCP socket that sends N bytes on
-request (the socket baseline). Prints one JSON line — engine segment, buffer addresses, socket
-port — then waits until its stdin closes, and unregisters.
+a transfer engine (``mooncake_vllm.transfer.engine``) and serves a loopback TCP socket that sends N
+bytes on request (the socket baseline). Prints one JSON line — engine segment, buffer addresses,
+socket port — then waits until its stdin closes, and unregisters.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from mooncake_vllm.engine import TransferEngine
+from mooncake_vllm.transfer.engine import TransferEngine
 
 
 def block_byte(layer: int, block: int) -> int:

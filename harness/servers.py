@@ -426,7 +426,7 @@ def start_http_metadata(
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ):
-    """Our http metadata server (``mooncake_vllm.metadata_server``, persisting to ``data_dir``),
+    """Our http metadata server (``mooncake_vllm.transfer.http_store``, persisting to ``data_dir``),
     or with ``mooncakes=True`` the one Mooncake ships (``mooncake.http_metadata_server``).
     ``extra_args`` are more options (e.g. ``--token-file``), ``env`` its environment."""
     port = port or free_port(host)
@@ -434,7 +434,7 @@ def start_http_metadata(
     if mooncakes:
         argv = [sys.executable, "-m", "mooncake.http_metadata_server", "--host", host]
     else:
-        argv = [sys.executable, "-m", "mooncake_vllm.metadata_server", "--host", host]
+        argv = [sys.executable, "-m", "mooncake_vllm.transfer.http_store", "--host", host]
         argv += ["--persist", str(data_dir / "metadata.json")]
     argv += ["--port", str(port), *extra_args]
     name = "mooncake-http-metadata" if mooncakes else "http-metadata"

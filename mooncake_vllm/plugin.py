@@ -20,7 +20,7 @@ STORE_NAME = "MooncakeStoreConnector"
 STORE_BUILTIN_ALIAS = "VllmMooncakeStoreConnector"
 # name → (builtin alias, our module, our class)
 _OURS = {
-    NAME: (BUILTIN_ALIAS, "mooncake_vllm.connector", "MooncakeConnector"),
+    NAME: (BUILTIN_ALIAS, "mooncake_vllm.p2p.connector", "MooncakeConnector"),
     STORE_NAME: (STORE_BUILTIN_ALIAS, "mooncake_vllm.pool.connector", "MooncakeStoreConnector"),
 }
 

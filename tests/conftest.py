@@ -6,7 +6,7 @@ import pytest
 
 from harness import servers
 from harness.tiny_model import build_tiny_model
-from mooncake_vllm.auth import new_secret
+from mooncake_vllm.core.auth import new_secret
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_vllm import auth
-from mooncake_vllm.auth import (
+from mooncake_vllm.core import auth
+from mooncake_vllm.core.auth import (
     NONCE_BYTES,
     REPLAY_WINDOW_S,
     REPLY,

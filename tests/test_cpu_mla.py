@@ -2,7 +2,7 @@
 
 import pytest
 
-from mooncake_vllm.cpu_mla import FIX_FLAG, cpu_mla_rope_warning, rope_op_enabled
+from mooncake_vllm.core.cpu_mla import FIX_FLAG, cpu_mla_rope_warning, rope_op_enabled
 
 
 @pytest.mark.parametrize(

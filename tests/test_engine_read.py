@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from mooncake_vllm.engine import TransferEngine, TransferError, TransferTimeout
-from mooncake_vllm.planning import Region
+from mooncake_vllm.core.planning import Region
+from mooncake_vllm.transfer.engine import TransferEngine, TransferError, TransferTimeout
 
 
 class FakeEngine:

@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_vllm.config import CONFIG_PATH_ENV, load_settings, resolve
+from mooncake_vllm.core.settings import CONFIG_PATH_ENV
+from mooncake_vllm.core.settings import load_settings as core_load_settings
+from mooncake_vllm.p2p.config import load_settings, resolve
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))
 
@@ -42,6 +44,6 @@ POOL_CONFIGS = sorted((CONFIGS[0].parent / "pool").glob("*.json"))
 def test_pool_example_config_validates(path):
     from mooncake_vllm.pool.config import PoolSettings
 
-    s = load_settings(None, {CONFIG_PATH_ENV: str(path)}, model=PoolSettings)
+    s = core_load_settings(None, {CONFIG_PATH_ENV: str(path)}, model=PoolSettings)
     assert s.master_server_address and s.metadata_server.startswith("http://")
     assert s.global_segment_size >= 16 << 20

@@ -21,8 +21,8 @@ import pytest
 import zmq
 
 from harness.pd import complete, eventually, greedy_body, two_legs
-from mooncake_vllm.auth import REPLY, REQUEST, load_keys, open_frame, seal_frame
-from mooncake_vllm.protocol import (
+from mooncake_vllm.core.auth import REPLY, REQUEST, load_keys, open_frame, seal_frame
+from mooncake_vllm.p2p.protocol import (
     OWNER_BYTES,
     Acquire,
     Granted,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from vllm.v1.core.block_pool import BlockPool
 
-from mooncake_vllm.leases import LeaseState, LeaseTable, NotOwner
-from mooncake_vllm.scheduler import BlockPins
+from mooncake_vllm.core.loads import BlockPins
+from mooncake_vllm.p2p.leases.table import LeaseState, LeaseTable, NotOwner
 
 # ---- leases ---------------------------------------------------------------------------------
 

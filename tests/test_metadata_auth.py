@@ -14,8 +14,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
 
 from harness import servers
-from mooncake_vllm.config import ConfigError, load_settings
-from mooncake_vllm.metadata import (
+from mooncake_vllm.core.settings import ConfigError
+from mooncake_vllm.p2p.config import load_settings
+from mooncake_vllm.transfer.http_store import main as metadata_server_main
+from mooncake_vllm.transfer.store_bridge import MetadataBridge, MetadataUnavailable, metadata_app
+from mooncake_vllm.transfer.stores import (
     MemoryStore,
     MetadataAuth,
     MetadataTarget,
@@ -25,8 +28,6 @@ from mooncake_vllm.metadata import (
     parse_metadata_server,
     redact_url,
 )
-from mooncake_vllm.metadata_bridge import MetadataBridge, MetadataUnavailable, metadata_app
-from mooncake_vllm.metadata_server import main as metadata_server_main
 
 SECRET = "hunter2-not-for-logs"
 
@@ -210,7 +211,7 @@ def test_credentials_that_fit(server, fields, secret_file, tmp_path):
 async def test_a_password_in_the_url_works_is_warned_about_and_never_shown(caplog):
     port = servers.free_port()  # nothing listens: the error must not show the password either
     target = parse_metadata_server(f"redis://app:{SECRET}@127.0.0.1:{port}")
-    with caplog.at_level(logging.WARNING, logger="mooncake_vllm.metadata"):
+    with caplog.at_level(logging.WARNING, logger="mooncake_vllm.transfer.stores"):
         store = open_store(target)
     try:
         assert "carries credentials in its URL" in caplog.text

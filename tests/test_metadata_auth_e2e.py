@@ -25,14 +25,14 @@ import redis
 
 from harness import servers
 from harness.tls import make_pki
-from mooncake_vllm.metadata import (
+from mooncake_vllm.transfer.store_bridge import MetadataBridge, MetadataUnavailable
+from mooncake_vllm.transfer.stores import (
     MetadataAuth,
     StoreAuthError,
     StoreUnavailable,
     open_store,
     parse_metadata_server,
 )
-from mooncake_vllm.metadata_bridge import MetadataBridge, MetadataUnavailable
 
 pytestmark = pytest.mark.servers
 
@@ -342,7 +342,7 @@ def _bridge_round_trip(target, auth: MetadataAuth) -> None:
     try:
         # The store's URL and credentials are not on the bridge's command line.
         cmdline = Path(f"/proc/{bridge._proc.pid}/cmdline").read_bytes().decode()
-        assert "mooncake_vllm.metadata_bridge" in cmdline
+        assert "mooncake_vllm.transfer.store_bridge" in cmdline
         for endpoint in target.endpoints:
             assert endpoint not in cmdline
         _assert_no_secret(cmdline)

@@ -27,8 +27,8 @@ from harness.pd import (
     start_many,
     two_legs,
 )
-from mooncake_vllm.metadata import open_store, parse_metadata_server
-from mooncake_vllm.protocol import decode_record, registry_key
+from mooncake_vllm.core.registry import decode_record, registry_key
+from mooncake_vllm.transfer.stores import open_store, parse_metadata_server
 
 pytestmark = pytest.mark.servers
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from mooncake_vllm.model_identity import (
+from mooncake_vllm.core.model_identity import (
     RANGE_SAMPLE_BYTES,
     TENSOR_SAMPLE_BYTES,
     fingerprint_model,

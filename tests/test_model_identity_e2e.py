@@ -25,7 +25,7 @@ from harness.pd import (
     two_legs,
 )
 from harness.tiny_model import TinyModelSpec, build_tiny_model
-from mooncake_vllm.model_identity import model_identity, short_identity
+from mooncake_vllm.core.model_identity import model_identity, short_identity
 
 pytestmark = pytest.mark.servers
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_vllm import os_threads
+from mooncake_vllm.core import os_threads
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux only")
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_vllm.planning import (
+from mooncake_vllm.core.planning import (
     PlanError,
     Region,
     plan_regions,
     producer_rank_for,
     tensor_segments,
 )
-from mooncake_vllm.protocol import (
+from mooncake_vllm.p2p.protocol import (
     MemSegment,
 )
 

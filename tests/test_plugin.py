@@ -24,7 +24,7 @@ def test_the_name_selects_ours_and_vllms_stays_reachable(registry, monkeypatch):
     builtin = registry[plugin.NAME]
     plugin.register()
     assert registry[plugin.BUILTIN_ALIAS] is builtin
-    assert registry[plugin.NAME]().__module__ == "mooncake_vllm.connector"
+    assert registry[plugin.NAME]().__module__ == "mooncake_vllm.p2p.connector"
 
 
 def test_keep_builtin_leaves_the_name_to_vllm(registry, monkeypatch):

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from mooncake_vllm.config import CONFIG_PATH_ENV, ConfigError, load_settings
+from mooncake_vllm.core.settings import CONFIG_PATH_ENV, ConfigError, load_settings
 from mooncake_vllm.pool.config import PoolSettings, check_reachable, parse_size
 
 BASE = {

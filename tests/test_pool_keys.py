@@ -106,6 +106,6 @@ def test_leading_hits_rejects_a_short_answer():
     ("tp_size", "tp_rank", "replicated", "ranks", "rank"),
     [(1, 0, False, 1, 0), (2, 1, False, 2, 1), (2, 1, True, 1, 0), (4, 3, True, 1, 0)],
 )
-def test_replicated_kv_has_one_copy_under_rank_0(tp_size, tp_rank, replicated, ranks, rank):
+def test_kv_replicated_has_one_copy_under_rank_0(tp_size, tp_rank, replicated, ranks, rank):
     assert key_ranks(tp_size, replicated) == ranks
     assert key_rank(tp_rank, replicated) == rank

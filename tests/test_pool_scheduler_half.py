@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mooncake_vllm.config import load_settings
+from mooncake_vllm.core.settings import load_settings
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, chain_digests
 from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
@@ -46,7 +46,7 @@ def half(
     )
     return PoolSchedulerHalf(s, is_producer=producer, is_consumer=consumer, block_size=BLOCK,
                              salt=SALT, tp_size=tp_size, store=store,
-                             replicated_kv=replicated)  # fmt: skip
+                             kv_replicated=replicated)  # fmt: skip
 
 
 def request(req_id="r1", prompt=PROMPT):
@@ -104,7 +104,7 @@ def test_every_tp_rank_must_hold_a_block():
     assert h.get_num_new_matched_tokens(request(), 0) == (128, True)
 
 
-def test_replicated_kv_is_looked_up_once_whatever_the_tp_size():
+def test_kv_replicated_is_looked_up_once_whatever_the_tp_size():
     """MLA: one copy per engine, under rank 0; rank 1's keys are never asked for."""
     one_rank = half(DictStore(block_keys(DIGESTS, 0)), tp_size=1)
     store = DictStore(block_keys(DIGESTS, 0))

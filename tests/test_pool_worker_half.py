@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness.servers import start_mooncake_master
-from mooncake_vllm.config import load_settings
+from mooncake_vllm.core.settings import load_settings
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
@@ -40,7 +40,7 @@ def worker(
         env={}, model=PoolSettings,
     )  # fmt: skip
     w = PoolWorkerHalf(s, is_producer=True, is_consumer=True, tp_rank=tp_rank,
-                       num_blocks=NUM_BLOCKS, replicated_kv=replicated)  # fmt: skip
+                       num_blocks=NUM_BLOCKS, kv_replicated=replicated)  # fmt: skip
     caches = {f"model.layers.{i}.attn": torch.zeros(SHAPE) for i in range(2)}
     w.register_kv_caches(caches)
     return w, caches
@@ -106,7 +106,7 @@ def test_a_block_missing_from_the_pool_fails_the_load(pair):
     assert reader.get_stats().data["load_failures"] == 1
 
 
-def test_replicated_kv_is_put_by_rank_0_alone_and_read_by_any_rank(master, pair):
+def test_kv_replicated_is_put_by_rank_0_alone_and_read_by_any_rank(master, pair):
     """MLA: the latent is the same on every rank, so rank 1 puts nothing and reads rank 0's copy."""
     writer, w_caches = pair[0], pair[1]
     rank1, r1_caches = worker(master, tp_rank=1, replicated=True)

@@ -8,7 +8,8 @@ import json
 import msgspec
 import pytest
 
-from mooncake_vllm.protocol import (
+from mooncake_vllm.core.identity import compat_hash
+from mooncake_vllm.p2p.protocol import (
     OWNER_BYTES,
     PROTOCOL_VERSION,
     Acquire,
@@ -19,7 +20,6 @@ from mooncake_vllm.protocol import (
     Refused,
     Release,
     Released,
-    compat_hash,
     decode_frame,
     encode_frame,
     parse_handoff,

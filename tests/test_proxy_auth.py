@@ -17,10 +17,10 @@ import test_proxy_faults as faults
 from aiohttp import web
 
 from harness.servers import free_port
-from mooncake_vllm import auth
-from mooncake_vllm.metadata import MemoryStore
-from mooncake_vllm.metadata_bridge import metadata_app
-from mooncake_vllm.protocol import ServingRecord, encode_serving, serving_key
+from mooncake_vllm.core import auth
+from mooncake_vllm.core.registry import ServingRecord, encode_serving, serving_key
+from mooncake_vllm.transfer.store_bridge import metadata_app
+from mooncake_vllm.transfer.stores import MemoryStore
 
 # The fake vLLM servers and the in-process proxy of test_proxy_faults.
 fakes, prefill, decode = faults.fakes, faults.prefill, faults.decode

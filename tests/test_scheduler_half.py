@@ -15,10 +15,12 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from harness.servers import free_port
-from mooncake_vllm.config import load_settings, resolve
-from mooncake_vllm.lease_service import MAX_REPLICATED_READERS, RankLayout
-from mooncake_vllm.planning import producer_rank_for
-from mooncake_vllm.protocol import (
+from mooncake_vllm.core.identity import engine_compat_hash, engine_kv_layout
+from mooncake_vllm.core.loads import MooncakeWorkerMeta
+from mooncake_vllm.core.planning import producer_rank_for
+from mooncake_vllm.p2p.config import load_settings, resolve
+from mooncake_vllm.p2p.leases.client import MAX_REPLICATED_READERS, RankLayout
+from mooncake_vllm.p2p.protocol import (
     OWNER_BYTES,
     Acquire,
     Granted,
@@ -27,9 +29,8 @@ from mooncake_vllm.protocol import (
     Release,
     parse_handoff,
 )
-from mooncake_vllm.scheduler import SchedulerHalf, engine_compat_hash, engine_kv_layout
-from mooncake_vllm.side_channel import SideChannelClient
-from mooncake_vllm.step_metadata import MooncakeWorkerMeta
+from mooncake_vllm.p2p.scheduler import SchedulerHalf
+from mooncake_vllm.p2p.side_channel import SideChannelClient
 
 BLOCK = 128
 HASH = "c" * 64

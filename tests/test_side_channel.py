@@ -15,11 +15,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from harness.servers import free_port
-from mooncake_vllm.auth import REPLY, REQUEST, new_secret, open_frame, seal_frame
-from mooncake_vllm.config import load_settings, resolve
-from mooncake_vllm.lease_service import LeaseService, RankLayout
-from mooncake_vllm.local_channels import wake_endpoint
-from mooncake_vllm.protocol import (
+from mooncake_vllm.core.auth import REPLY, REQUEST, new_secret, open_frame, seal_frame
+from mooncake_vllm.p2p.config import load_settings, resolve
+from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
+from mooncake_vllm.p2p.local_channels import wake_endpoint
+from mooncake_vllm.p2p.protocol import (
     OWNER_BYTES,
     Acquire,
     Granted,
@@ -30,7 +30,7 @@ from mooncake_vllm.protocol import (
     decode_frame,
     encode_frame,
 )
-from mooncake_vllm.side_channel import PeerGuard, SideChannelClient, SideChannelError
+from mooncake_vllm.p2p.side_channel import PeerGuard, SideChannelClient, SideChannelError
 
 OWNER = b"o" * OWNER_BYTES
 
@@ -169,7 +169,7 @@ def test_no_answer_is_an_error_within_the_timeout():
 def test_the_lease_server_imports_neither_vllm_nor_torch():
     # Its start-up is on the engine core's start-up path, and its memory is per producer.
     code = (
-        "import sys, mooncake_vllm.lease_server\n"
+        "import sys, mooncake_vllm.p2p.leases.process\n"
         "print(sorted(m for m in ('vllm', 'torch', 'pydantic') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

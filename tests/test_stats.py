@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mooncake_vllm.stats import MooncakeStats
+from mooncake_vllm.p2p.stats import MooncakeStats
 
 
 def test_stats_sum_counters_and_keep_the_newest_held_lease_count():

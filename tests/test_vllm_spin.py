@@ -7,7 +7,7 @@ import zmq
 from pydantic import ValidationError
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-from mooncake_vllm.config import MooncakeSettings
+from mooncake_vllm.p2p.config import MooncakeSettings
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.vllm_glue import shorten_gil_switch_interval, shorten_queue_spin
 

@@ -9,24 +9,22 @@ import time
 import msgspec
 import pytest
 
-from mooncake_vllm.auth import new_secret, seal_record
-from mooncake_vllm.config import load_settings, resolve
-from mooncake_vllm.engine import TransferEngine
-from mooncake_vllm.protocol import (
+from mooncake_vllm.core.auth import new_secret, seal_record
+from mooncake_vllm.core.registry import EngineRecord, encode_record, registry_key
+from mooncake_vllm.p2p.config import load_settings, resolve
+from mooncake_vllm.p2p.protocol import (
     OWNER_BYTES,
     Acquire,
-    EngineRecord,
     Granted,
     Handoff,
     MemSegment,
     Refused,
     Release,
     Released,
-    encode_record,
-    registry_key,
 )
-from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata
-from mooncake_vllm.worker import WorkerHalf
+from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
+from mooncake_vllm.p2p.worker import WorkerHalf
+from mooncake_vllm.transfer.engine import TransferEngine
 
 BLOCK = 64
 REMOTE = MemSegment(base_addr=10_000, block_stride=BLOCK, block_len=BLOCK)

@@ -1,11 +1,11 @@
 """Fault injection for tests, kept out of the connector's code.
 
 ``freeze_after_grant_env`` gives a producer vLLM the environment under which its lease server
-(``mooncake_vllm.lease_server``) freezes the producer's worker (SIGSTOP) right after granting a
-lease and before the ``Granted`` reply leaves, once the test arms it by creating the trigger
-file: a producer stopped mid-pull, with no race against the consumer's read. The injection is
-this directory's ``sitecustomize.py``, which Python imports at the start of every process that
-has the directory on its ``PYTHONPATH``; it acts only in the lease server.
+(``mooncake_vllm.p2p.leases.process``) freezes the producer's worker (SIGSTOP) right after granting
+a lease and before the ``Granted`` reply leaves, once the test arms it by creating the trigger file:
+a producer stopped mid-pull, with no race against the consumer's read. The injection is this
+directory's ``sitecustomize.py``, which Python imports at the start of every process that has the
+directory on its ``PYTHONPATH``; it acts only in the lease server.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Test-only: freezes a producer's worker right after its lease server grants a lease.
 
-Python imports this module at the start of every process with this directory on its
-``PYTHONPATH`` (``harness.faults.freeze_after_grant_env``). It does nothing unless the process is
-a lease server (``python -m mooncake_vllm.lease_server``) and MOONCAKE_VLLM_TEST_FREEZE_TRIGGER
-names a trigger file. Then, on the first grant after the test creates that file, it deletes the
-file and SIGSTOPs the worker of the granting TP rank, before the ``Granted`` reply is sent.
+Python imports this module at the start of every process with this directory on its ``PYTHONPATH``
+(``harness.faults.freeze_after_grant_env``). It does nothing unless the process is a lease server
+(``python -m mooncake_vllm.p2p.leases.process``) and MOONCAKE_VLLM_TEST_FREEZE_TRIGGER names a
+trigger file. Then, on the first grant after the test creates that file, it deletes the file and
+SIGSTOPs the worker of the granting TP rank, before the ``Granted`` reply is sent.
 
 The seams it relies on in the connector: ``LeaseServer._servers`` (one ``SideChannelServer`` per
 TP rank), ``LeaseServer._layouts[rank].worker_pid``, and ``SideChannelServer._on_grant`` (called
@@ -17,7 +17,7 @@ import signal
 import sys
 
 TRIGGER_ENV = "MOONCAKE_VLLM_TEST_FREEZE_TRIGGER"  # harness.faults.FREEZE_TRIGGER_ENV
-LEASE_SERVER = "mooncake_vllm.lease_server"
+LEASE_SERVER = "mooncake_vllm.p2p.leases.process"
 
 
 def _is_lease_server(argv: list[str]) -> bool:

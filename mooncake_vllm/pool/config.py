@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 import socket
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from mooncake_vllm.config import ConfigError
-from mooncake_vllm.metadata import split_host_port
+from mooncake_vllm.core.settings import ConfigError, SharedSettings
+from mooncake_vllm.transfer.stores import parse_metadata_server, split_host_port
 
 # The store refuses a mounted segment below this (measured on 0.3.13.post1: setup returns -600,
 # "Total size must be at least 16777216").
@@ -40,10 +40,9 @@ def parse_size(key: str, value: Any) -> int:
     raise ValueError(f"{key}={value!r} must be a byte count, e.g. 536870912 or '512MB'")
 
 
-class PoolSettings(BaseModel):
+class PoolSettings(SharedSettings):
     """Keys of the pool's json (and of ``kv_connector_extra_config``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     connector_name: ClassVar[str] = "MooncakeStoreConnector"
 
     # mooncake_master's RPC address (its --rpc_port, 50051 by default).
@@ -52,8 +51,6 @@ class PoolSettings(BaseModel):
     # server (--enable_http_metadata_server: http://<master host>:8080/metadata), etcd or redis.
     metadata_server: str
     local_hostname: str = "127.0.0.1"
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    device_name: str = ""
     # DRAM this instance mounts into the pool (each worker rank), and its staging buffer.
     global_segment_size: int = 512 << 20
     local_buffer_size: int = 16 << 20
@@ -64,18 +61,6 @@ class PoolSettings(BaseModel):
     load_timeout_s: float = Field(10.0, gt=0)
     # The scheduler's existence check; past it the prompt counts as a miss (computed here).
     lookup_timeout_s: float = Field(1.0, gt=0, le=30)
-    # Seconds vLLM's queue readers in this engine busy-wait after a message (vLLM: 1 s);
-    # null keeps vLLM's. See ``mooncake_vllm.vllm_glue``. Not below 20 ms: at 0 a reader that
-    # misses a wake-up waits for vLLM's 5 s recheck (measured: 32 tokens took 155 s).
-    vllm_busy_loop_s: float | None = Field(0.02, ge=0.02, le=1)
-    # The model in the keys' salt: by default a fingerprint of the model's files; set it when
-    # engines load the same weights from files that differ (a declared name, the same on all).
-    model_identity: str | None = None
-    # Run on a vLLM outside the tested versions, or one whose internals moved, with plain
-    # fallbacks (``vllm_glue``); otherwise such a vLLM stops at startup, naming what changed.
-    allow_untested_vllm: bool = False
-    # Priority of the store's transfer threads (``mooncake_vllm.os_threads``).
-    thread_priority: Literal["off", "nice", "realtime"] = "nice"
 
     @field_validator("global_segment_size", "local_buffer_size", mode="before")
     @classmethod
@@ -106,8 +91,8 @@ class PoolSettings(BaseModel):
     @field_validator("metadata_server")
     @classmethod
     def _metadata(cls, v: str) -> str:
-        if v == "P2PHANDSHAKE" or re.fullmatch(r"(http://\S+|etcd://\S+|redis://\S+)", v):
-            return v
+        if v == "P2PHANDSHAKE" or (v.partition("://")[1] and parse_metadata_server(v)):
+            return v  # parse_metadata_server's ValueError names the accepted forms
         raise ValueError(
             "must be 'http://host:port/metadata' (e.g. mooncake_master "
             "--enable_http_metadata_server), 'etcd://host:port', 'redis://host:port' or "

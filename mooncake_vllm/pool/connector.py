@@ -21,17 +21,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from mooncake_vllm import os_threads
-from mooncake_vllm.config import ConfigError, load_settings
-from mooncake_vllm.cpu_mla import warn_cpu_mla_rope
-from mooncake_vllm.model_identity import engine_model_identity
+from mooncake_vllm.core import os_threads
+from mooncake_vllm.core.cpu_mla import warn_cpu_mla_rope
+from mooncake_vllm.core.identity import engine_compat_hash
+from mooncake_vllm.core.model_identity import engine_model_identity
+from mooncake_vllm.core.settings import check_role, load_settings
+from mooncake_vllm.core.sleep_mode import refuse_sleep_mode
 from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.pool.config import PoolSettings, check_reachable
 from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
 from mooncake_vllm.pool.stats import PoolPromMetrics, PoolStats
 from mooncake_vllm.pool.step_metadata import PoolConnectorMetadata
-from mooncake_vllm.scheduler import engine_compat_hash
-from mooncake_vllm.sleep_mode import refuse_sleep_mode
 from mooncake_vllm.vllm_glue import check_vllm, shorten_queue_spin
 
 if TYPE_CHECKING:
@@ -56,11 +56,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         use_vllm_logging()
         ktc = vllm_config.kv_transfer_config
         settings: PoolSettings = load_settings(ktc.kv_connector_extra_config, model=PoolSettings)
-        if ktc.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise ConfigError(
-                f"kv_role={ktc.kv_role!r}: MooncakeStoreConnector accepts 'kv_producer', "
-                "'kv_consumer' or 'kv_both'"
-            )
+        check_role(ktc.kv_role, "MooncakeStoreConnector")
         check_reachable(settings)
         check_vllm(settings.allow_untested_vllm)
         os_threads.set_policy(settings.thread_priority)
@@ -87,7 +83,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 ),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 store=store,
-                replicated_kv=vllm_config.model_config.use_mla,
+                kv_replicated=vllm_config.model_config.use_mla,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -101,7 +97,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 is_consumer=is_consumer,
                 tp_rank=get_tensor_model_parallel_rank(),
                 num_blocks=kv_cache_config.num_blocks,
-                replicated_kv=vllm_config.model_config.use_mla,
+                kv_replicated=vllm_config.model_config.use_mla,
             )
 
     # ---- worker side ---------------------------------------------------------------------

@@ -26,12 +26,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, chain_digests, key_ranks, leading_hits
 from mooncake_vllm.pool.stats import PoolStats
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
-from mooncake_vllm.scheduler import BlockPins
-from mooncake_vllm.step_metadata import MooncakeWorkerMeta
+from mooncake_vllm.vllm_glue import IDLE_STEP_PAUSE_S
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -43,9 +43,6 @@ if TYPE_CHECKING:
     from mooncake_vllm.pool.store import PoolStore
 
 logger = logging.getLogger(__name__)
-
-# While a load is pending and nothing runs, vLLM steps back to back: pause idle steps this long.
-IDLE_STEP_PAUSE_S = 0.002
 
 
 @dataclass
@@ -78,13 +75,13 @@ class PoolSchedulerHalf:
         salt: str,
         tp_size: int,
         store: PoolStore | None,
-        replicated_kv: bool = False,
+        kv_replicated: bool = False,
     ):
-        """``replicated_kv``: every TP rank holds the same KV (MLA), stored once in the pool."""
+        """``kv_replicated``: every TP rank holds the same KV (MLA), stored once in the pool."""
         self._settings = settings
         self._is_producer, self._is_consumer = is_producer, is_consumer
         self._block_size, self._salt, self._tp_size = block_size, salt, tp_size
-        self._key_ranks = key_ranks(tp_size, replicated_kv)
+        self._key_ranks = key_ranks(tp_size, kv_replicated)
         self._store = store  # lookup-only client (consumers)
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="mooncake-pool-lookup")
         self._lookup: Future | None = None  # the last lookup (a stuck one blocks the next)

@@ -27,20 +27,18 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from mooncake_vllm.planning import tensor_segments
+from mooncake_vllm.core.loads import REPORT_AFTER_S, MooncakeWorkerMeta
+from mooncake_vllm.core.planning import tensor_segments
+from mooncake_vllm.p2p.protocol import MemSegment
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, key_rank
 from mooncake_vllm.pool.stats import PoolStats
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
 from mooncake_vllm.pool.store import RETRYABLE, PoolStore, describe
-from mooncake_vllm.protocol import MemSegment
-from mooncake_vllm.step_metadata import MooncakeWorkerMeta
 
 logger = logging.getLogger(__name__)
 
 _LOAD_THREADS = 4
-# A load not done this long after its deadline is reported failed without waiting for its thread.
-_REPORT_AFTER_S = 0.25
 _WARN_EVERY_S = 10.0
 # First pause before a get is asked again; it doubles each time.
 _RETRY_PAUSE_S = 0.05
@@ -80,14 +78,14 @@ class PoolWorkerHalf:
         is_consumer: bool,
         tp_rank: int,
         num_blocks: int,
-        replicated_kv: bool = False,
+        kv_replicated: bool = False,
     ):
-        """``replicated_kv``: every TP rank holds the same KV (MLA): rank 0 alone puts it, once
+        """``kv_replicated``: every TP rank holds the same KV (MLA): rank 0 alone puts it, once
         per engine, and every rank gets that copy."""
         self._settings = settings
         self._is_producer, self._is_consumer = is_producer, is_consumer
         self._tp_rank, self._num_blocks = tp_rank, num_blocks
-        self._key_rank = key_rank(tp_rank, replicated_kv)
+        self._key_rank = key_rank(tp_rank, kv_replicated)
         self._puts_blocks = self._key_rank == tp_rank
         self._store: PoolStore | None = None
         self._segments: list[MemSegment] = []
@@ -235,7 +233,7 @@ class PoolWorkerHalf:
                 self._settled.append(req_id)
                 if not job.reported:
                     out.append(job.future.result())  # _load never raises
-            elif not job.reported and now > job.deadline + _REPORT_AFTER_S:
+            elif not job.reported and now > job.deadline + REPORT_AFTER_S:
                 job.reported = True
                 reason = (f"not done {self._settings.load_timeout_s:g}s (load_timeout_s) after "
                           "it started; its blocks stay pinned until it has ended")  # fmt: skip
@@ -260,9 +258,7 @@ class PoolWorkerHalf:
         return results
 
     def build_worker_meta(self) -> MooncakeWorkerMeta | None:
-        if not self._settled:
-            return None
-        meta, self._settled = MooncakeWorkerMeta(self._settled), []
+        meta, self._settled = MooncakeWorkerMeta.of(self._settled), []
         return meta
 
     def get_stats(self) -> PoolStats | None:

@@ -1,7 +1,7 @@
 """Where the transfer engine's segment metadata lives: parsing ``metadata_server`` and the stores.
 
 The engine itself only ever sees ``P2PHANDSHAKE`` or an ``http://127.0.0.1:<port>/metadata`` URL
-served by this process's ``MetadataBridge`` (``metadata_bridge``), which stores the keys in the
+served by this process's ``MetadataBridge`` (``store_bridge``), which stores the keys in the
 configured etcd, redis or http server. Why one path for every store:
 - the PyPI wheels have no redis client, and reaching it aborts the process;
 - a peer restarted under the same name must overwrite its old keys (Mooncake's own http server
@@ -729,7 +729,7 @@ class HttpStore:
         if not isinstance(listed, dict):
             raise StoreUnavailable(
                 f"http {self._shown}: listing keys by prefix answered {status} {body[:200]!r}; "
-                "discovery over http needs mooncake_vllm.metadata_server (Mooncake's http "
+                "discovery over http needs mooncake_vllm.transfer.http_store (Mooncake's http "
                 "metadata server cannot list keys)"
             )
         return {k: base64.b64decode(v) for k, v in listed.items()}
@@ -741,7 +741,7 @@ class HttpStore:
 
 class MemoryStore:
     """In-process store with TTLs and optional persistence (a JSON snapshot rewritten on change):
-    the backing store of ``python -m mooncake_vllm.metadata_server``."""
+    the backing store of ``python -m mooncake_vllm.transfer.http_store``."""
 
     def __init__(self, persist_path: Path | None = None):
         self._data: dict[str, tuple[bytes, float | None]] = {}  # key -> (value, expiry monotonic)

@@ -1,5 +1,5 @@
 """The producer's leases, as the engine core's scheduler half sees them: a facade over the lease
-server process (``lease_server``), which owns the lease tables and serves the side channels.
+server process (``leases.process``), which owns the lease tables and serves the side channels.
 
 Why the engine core and not the workers: ``request_finished`` decides there to hold a prompt's
 blocks, and the hold reaches the lease server before the handoff leaves the process, so an
@@ -31,9 +31,9 @@ import time
 from collections import Counter
 from multiprocessing.connection import Connection
 
-from mooncake_vllm.auth import is_loopback
-from mooncake_vllm.config import ConnectorConfig
-from mooncake_vllm.lease_server import (
+from mooncake_vllm.core.auth import is_loopback
+from mooncake_vllm.p2p.config import ConnectorConfig
+from mooncake_vllm.p2p.leases.process import (
     Dropped,
     Ended,
     Hold,
@@ -45,7 +45,7 @@ from mooncake_vllm.lease_server import (
     encode,
     report_decoder,
 )
-from mooncake_vllm.side_channel import SideChannelError
+from mooncake_vllm.p2p.side_channel import SideChannelError
 
 __all__ = ["LeaseService", "RankLayout"]
 
@@ -89,7 +89,7 @@ class LeaseService:
         ours, theirs = socket.socketpair()
         with theirs:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "mooncake_vllm.lease_server",
+                [sys.executable, "-m", "mooncake_vllm.p2p.leases.process",
                  str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),),
             )  # fmt: skip

@@ -6,8 +6,6 @@ frames are msgpack over ZeroMQ between a consumer worker and the producer worker
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import msgspec
@@ -112,68 +110,6 @@ def validate_handoff(
             f"producer has {h.producer_tp_size} TP ranks, consumer {tp_size}: per-head K/V is "
             "sharded by TP rank, so both sides need the same TP size"
         )
-
-
-def compat_hash(**fields: Any) -> str:
-    """A stable digest of everything both sides must agree on for a raw block copy."""
-    payload = json.dumps({"v": PROTOCOL_VERSION, **fields}, sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-# ---- engine registry ---------------------------------------------------------------------------
-
-
-class EngineRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """What each connector worker publishes in the metadata store under ``registry_key``."""
-
-    version: int = PROTOCOL_VERSION
-    engine_id: str
-    role: str
-    tp_rank: int
-    tp_size: int
-    side_channel: str  # host:port; "" on a consumer (it serves no side channel)
-    te_segment: str
-    compat_hash: str
-
-
-def registry_key(engine_id: str, tp_rank: int) -> str:
-    return f"mooncake-vllm/engines/{engine_id}/{tp_rank}"
-
-
-def encode_record(record: EngineRecord) -> bytes:
-    return msgspec.json.encode(record)
-
-
-def decode_record(data: bytes) -> EngineRecord:
-    """Raises ``msgspec.DecodeError``/``ValidationError`` on a malformed record."""
-    return msgspec.json.decode(data, type=EngineRecord)
-
-
-class ServingRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """Where an engine serves the OpenAI API, published beside its ``EngineRecord`` (by TP
-    rank 0, one per engine) under ``serving_key``: what ``proxy_server.py --discover`` reads."""
-
-    version: int = PROTOCOL_VERSION
-    engine_id: str
-    role: str  # kv_producer → prefill pool, kv_consumer → decode pool, kv_both → both
-    url: str  # http(s)://host:port, no path
-    compat_hash: str
-
-
-SERVING_PREFIX = "mooncake-vllm/serving/"
-
-
-def serving_key(engine_id: str) -> str:
-    return f"{SERVING_PREFIX}{engine_id}"
-
-
-def encode_serving(record: ServingRecord) -> bytes:
-    return msgspec.json.encode(record)
-
-
-def decode_serving(data: bytes) -> ServingRecord:
-    """Raises ``msgspec.DecodeError``/``ValidationError`` on a malformed record."""
-    return msgspec.json.decode(data, type=ServingRecord)
 
 
 # ---- side-channel frames -------------------------------------------------------------------

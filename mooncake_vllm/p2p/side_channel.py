@@ -1,6 +1,6 @@
 """The side channel between a consumer worker and the producer engine, one per producer TP rank.
 
-ZeroMQ ROUTER on the producer (served by its lease server process, see ``lease_server``), one
+ZeroMQ ROUTER on the producer (served by its lease server process, see ``leases.process``), one
 DEALER per peer on the consumer; frames from ``protocol``, sealed with the shared secret when one
 is configured (``auth``). The producer answers ``Acquire`` with the rank's memory layout (or a
 refusal) and ``Release`` with ``Released``. A lease exists before its handoff leaves the producer,
@@ -9,7 +9,7 @@ so an unknown transfer id is refused at once.
 Nothing a peer sends can hurt another peer's requests: a frame that does not verify, is too big,
 comes too fast or from one peer too many is dropped and counted (``PeerGuard``), and the log says
 so at most once per ``_DROP_LOG_INTERVAL_S`` with the counts; a ``Release`` is honoured only from
-the peer that acquired the lease (``leases``).
+the peer that acquired the lease (``leases.table``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,19 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from mooncake_vllm.auth import REPLY, REQUEST, AuthError, Keys, ReplayGuard, open_frame, seal_frame
-from mooncake_vllm.auth import short_id as short
-from mooncake_vllm.leases import Lease, LeaseTable, NotOwner
-from mooncake_vllm.os_threads import latency_critical_section, latency_zmq_context
-from mooncake_vllm.protocol import (
+from mooncake_vllm.core.auth import (
+    REPLY,
+    REQUEST,
+    AuthError,
+    Keys,
+    ReplayGuard,
+    open_frame,
+    seal_frame,
+)
+from mooncake_vllm.core.auth import short_id as short
+from mooncake_vllm.core.os_threads import latency_critical_section, latency_zmq_context
+from mooncake_vllm.p2p.leases.table import Lease, LeaseTable, NotOwner
+from mooncake_vllm.p2p.protocol import (
     Acquire,
     Frame,
     Granted,
@@ -106,7 +114,7 @@ class PeerGuard:
 
 class SideChannelServer:
     """Serves one producer TP rank's leases on a ROUTER socket. It has no thread of its own: the
-    lease server's loop (``lease_server``) polls ``sock`` and calls ``serve_ready``.
+    lease server's loop (``leases.process``) polls ``sock`` and calls ``serve_ready``.
 
     ``on_unknown``: called before an unknown transfer id is refused, to take in holds the engine
     core has sent but the loop has not read yet (a hold is sent before its handoff leaves).

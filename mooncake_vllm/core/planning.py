@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from mooncake_vllm.protocol import MemSegment
+from mooncake_vllm.p2p.protocol import MemSegment
 
 
 class Region(NamedTuple):

@@ -1,9 +1,9 @@
 """The engine's metadata protocol over HTTP, served from any ``Store``; and the in-worker bridge.
 
 The transfer engine's http metadata client speaks ``GET/PUT/DELETE <url>?key=<key>`` (404 when
-absent). ``metadata_app`` serves that from a store; ``python -m mooncake_vllm.metadata_server``
+absent). ``metadata_app`` serves that from a store; ``python -m mooncake_vllm.transfer.http_store``
 runs it over a ``MemoryStore``, and each worker's bridge process (``MetadataBridge``) runs it
-over the configured etcd/redis/http store, with a cache and a heartbeat (see ``metadata``).
+over the configured etcd/redis/http store, with a cache and a heartbeat (see ``stores``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from mooncake_vllm.metadata import (
+from mooncake_vllm.transfer.stores import (
     MetadataAuth,
     MetadataTarget,
     Store,
@@ -254,7 +254,7 @@ class MetadataBridge:
                 f"metadata_server ({target.describe()}) cannot be used: {e}"
             ) from None
         argv = [
-            sys.executable, "-m", "mooncake_vllm.metadata_bridge", "--ttl-s", str(ttl_s),
+            sys.executable, "-m", "mooncake_vllm.transfer.store_bridge", "--ttl-s", str(ttl_s),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         # The store's address goes over stdin, not argv: a URL may carry a password, and any

@@ -1,16 +1,13 @@
 """What the halves tell each other each step: scheduler → workers (vLLM's connector metadata)
-and workers → scheduler (vLLM's connector worker metadata)."""
+and workers → scheduler (``core.loads.MooncakeWorkerMeta``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from mooncake_vllm.protocol import Handoff
+from mooncake_vllm.p2p.protocol import Handoff
 
 
 @dataclass(frozen=True)
@@ -35,17 +32,3 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     # Producer: requests whose leases ended on every rank; workers report them finished-sending
     # (which frees their blocks) in this same step.
     finished_sending: set[str] = field(default_factory=set)
-
-
-@dataclass
-class MooncakeWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker → scheduler: loads whose transfer-engine entries have all ended on this rank, so
-    no write can land in their blocks any more (the scheduler half unpins them once every rank
-    has said so). One list element per rank and load."""
-
-    settled: list[str] = field(default_factory=list)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> MooncakeWorkerMeta:
-        assert isinstance(other, MooncakeWorkerMeta)
-        self.settled.extend(other.settled)
-        return self

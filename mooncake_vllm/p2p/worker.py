@@ -1,7 +1,7 @@
 """The worker half: runs in every vLLM worker process and moves the bytes.
 
 Producer: registers the KV cache with the transfer engine and hands its layout to the scheduler
-half (vLLM's handshake metadata), whose side channel serves the leases (``lease_service``); reports
+half (vLLM's handshake metadata), whose side channel serves the leases (``leases.client``); reports
 the requests whose leases ended as finished-sending, which frees the blocks.
 
 Consumer: each load is one pull job on a small thread pool, off the forward path:
@@ -35,23 +35,12 @@ import torch
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from mooncake_vllm.auth import AuthError, host_allowed, open_record, seal_record, short_id
-from mooncake_vllm.config import ConnectorConfig
-from mooncake_vllm.engine import TransferEngine
-from mooncake_vllm.local_channels import WakeSender, claim, wake_endpoint
-from mooncake_vllm.metadata import P2P_HANDSHAKE
-from mooncake_vllm.metadata_bridge import MetadataBridge
-from mooncake_vllm.os_threads import make_latency_critical, name_this_thread
-from mooncake_vllm.planning import plan_regions, producer_rank_for, tensor_segments
-from mooncake_vllm.protocol import (
-    OWNER_BYTES,
-    Acquire,
+from mooncake_vllm.core.auth import AuthError, host_allowed, open_record, seal_record, short_id
+from mooncake_vllm.core.loads import REPORT_AFTER_S, MooncakeWorkerMeta
+from mooncake_vllm.core.os_threads import make_latency_critical, name_this_thread
+from mooncake_vllm.core.planning import plan_regions, producer_rank_for, tensor_segments
+from mooncake_vllm.core.registry import (
     EngineRecord,
-    Granted,
-    Handoff,
-    MemSegment,
-    Refused,
-    Release,
     ServingRecord,
     decode_record,
     encode_record,
@@ -59,16 +48,28 @@ from mooncake_vllm.protocol import (
     registry_key,
     serving_key,
 )
-from mooncake_vllm.serving_url import find_serving_url
-from mooncake_vllm.side_channel import SideChannelClient, SideChannelError
-from mooncake_vllm.stats import MooncakeStats
-from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata, MooncakeWorkerMeta
+from mooncake_vllm.core.serving_url import find_serving_url
+from mooncake_vllm.p2p.config import ConnectorConfig
+from mooncake_vllm.p2p.local_channels import WakeSender, claim, wake_endpoint
+from mooncake_vllm.p2p.protocol import (
+    OWNER_BYTES,
+    Acquire,
+    Granted,
+    Handoff,
+    MemSegment,
+    Refused,
+    Release,
+)
+from mooncake_vllm.p2p.side_channel import SideChannelClient, SideChannelError
+from mooncake_vllm.p2p.stats import MooncakeStats
+from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
+from mooncake_vllm.transfer.engine import TransferEngine
+from mooncake_vllm.transfer.store_bridge import MetadataBridge
+from mooncake_vllm.transfer.stores import P2P_HANDSHAKE
 
 logger = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0
-# A pull not done this long after its deadline is reported failed without waiting for its thread.
-_REPORT_AFTER_S = 0.25
 _PULL_THREADS = 8  # pulls mostly sleep (side channel, status polls); a stuck one must not queue
 _PULL_NICE = -10  # where real-time priority is not allowed (os_threads)
 
@@ -192,7 +193,7 @@ class WorkerHalf:
         if cfg.is_producer:
             # Claimed first, so a second engine configured with the same address fails here,
             # before its transfer engine can publish metadata over ours. The side channel itself
-            # is served by the scheduler half (lease_service).
+            # is served by the scheduler half (leases.client).
             side_channel = f"{cfg.host}:{cfg.side_channel_port(self._tp_rank)}"
             try:
                 self._claim = claim(cfg.host, cfg.side_channel_port(self._tp_rank))
@@ -291,7 +292,7 @@ class WorkerHalf:
             self._pulls[load.req_id] = job
             # Wakes the scheduler to report the pull failed if it is not done by then.
             timer = threading.Timer(
-                job.deadline - time.monotonic() + _REPORT_AFTER_S, self._wake_scheduler
+                job.deadline - time.monotonic() + REPORT_AFTER_S, self._wake_scheduler
             )
             timer.daemon = True
             timer.start()
@@ -314,7 +315,7 @@ class WorkerHalf:
                 elif job.reported:
                     logger.info("request %s: the pull reported failed at its deadline has "
                                 "ended; its blocks are unpinned", req_id)  # fmt: skip
-            elif job.awaited and not job.reported and now > job.deadline + _REPORT_AFTER_S:
+            elif job.awaited and not job.reported and now > job.deadline + REPORT_AFTER_S:
                 job.reported = True
                 stage = "acquire or first handshake" if job.abandon() else "read"
                 reason = (
@@ -351,9 +352,7 @@ class WorkerHalf:
         return results
 
     def build_worker_meta(self) -> MooncakeWorkerMeta | None:
-        if not self._settled:
-            return None
-        meta, self._settled = MooncakeWorkerMeta(self._settled), []
+        meta, self._settled = MooncakeWorkerMeta.of(self._settled), []
         return meta
 
     def get_stats(self) -> MooncakeStats | None:

@@ -1,5 +1,5 @@
 """A standalone http metadata server for the transfer engine: ``python -m
-mooncake_vllm.metadata_server [--host 127.0.0.1] [--port 8080] [--persist FILE]
+mooncake_vllm.transfer.http_store [--host 127.0.0.1] [--port 8080] [--persist FILE]
 [--token-file FILE | --token-env VAR]``.
 
 Use it for ``"metadata_server": "http://HOST:PORT/metadata"``. Mooncake ships one too
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from mooncake_vllm.metadata import MemoryStore, read_secret
-from mooncake_vllm.metadata_bridge import metadata_app
+from mooncake_vllm.transfer.store_bridge import metadata_app
+from mooncake_vllm.transfer.stores import MemoryStore, read_secret
 
 
 def _is_loopback(host: str) -> bool:

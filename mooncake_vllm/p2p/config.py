@@ -1,46 +1,29 @@
-"""The connector's settings: one typed object, built once at startup.
-
-Sources, later wins: the Mooncake-format json named by ``MOONCAKE_CONFIG_PATH``, then
-``kv_connector_extra_config``. Every problem is raised at startup as a ``ConfigError`` naming the
-key, the bad value and the accepted forms, so a bad config never surfaces mid-request.
-"""
+"""The P2P connector's settings (``MooncakeSettings``, read as ``core.settings`` says) and what
+they resolve to for one engine (``ConnectorConfig``: role, addresses, transfer-engine env)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
-from mooncake_vllm.auth import Keys, load_keys
-from mooncake_vllm.metadata import (
+from mooncake_vllm.core.auth import Keys, load_keys
+from mooncake_vllm.core.serving_url import normalize_advertise_url
+from mooncake_vllm.core.settings import ConfigError, SharedSettings, check_role
+from mooncake_vllm.core.settings import load_settings as _load
+from mooncake_vllm.transfer.stores import (
     P2P_HANDSHAKE,
     MetadataAuth,
     MetadataTarget,
     check_auth,
     parse_metadata_server,
-    redact_url,
     split_host_port,
 )
-from mooncake_vllm.serving_url import normalize_advertise_url
 
-CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
-
-
-class ConfigError(ValueError):
-    """A configuration problem, worded for the user who wrote the config."""
 
 
 def _host_port(key: str, value: str) -> tuple[str, int]:
@@ -50,10 +33,8 @@ def _host_port(key: str, value: str) -> tuple[str, int]:
     return host_port
 
 
-class MooncakeSettings(BaseModel):
+class MooncakeSettings(SharedSettings):
     """Keys of the Mooncake json (and of ``kv_connector_extra_config``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Where this engine's transfer engine and side channel listen: the producer (and kv_both)
     # uses prefill_url, the consumer decode_url. Rank r uses port + 2r (engine) and
@@ -64,13 +45,11 @@ class MooncakeSettings(BaseModel):
         None, description="address to advertise instead of the url's host"
     )
     # P2PHANDSHAKE, etcd(s)://h:p[,h:p], redis(s)://h:p, http(s)://h:p/metadata (the "s" forms
-    # over TLS), or a bare h:p read with metadata_backend (the seed's form). See ``metadata``.
+    # over TLS), or a bare h:p read with metadata_backend (the seed's form); see transfer.stores.
     metadata_server: str = P2P_HANDSHAKE
     metadata_backend: Literal["etcd", "redis", "http"] | None = None
     # Keys an engine publishes in the store expire this long after it stops refreshing them.
     metadata_ttl_s: float = Field(30.0, ge=3)
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    device_name: str = ""
     # Bytes of KV the producer may hold for consumers that have not pulled yet.
     kv_buffer_size: int = Field(1_000_000_000, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0)
@@ -83,10 +62,6 @@ class MooncakeSettings(BaseModel):
     # With a metadata store: the OpenAI base URL published for ``proxy_server.py --discover``.
     # Default: the vLLM API server's --host/--port (see ``serving_url``).
     advertise_url: str | None = None
-    # Seconds vLLM's queue readers in this engine busy-wait after a message (vLLM: 1 s);
-    # null keeps vLLM's. See ``vllm_glue``. Not below 20 ms: at 0 a reader that misses a wake-up
-    # waits for vLLM's 5 s recheck (measured: 32 tokens took 155 s); shorter is unmeasured.
-    vllm_busy_loop_s: float | None = Field(0.02, ge=0.02, le=1)
     # Python's switch interval in this engine's worker processes (Python: 5 ms); null keeps it.
     # A pull thread waits up to this long for the GIL at each poll while vLLM's reader spins.
     gil_switch_interval_s: float | None = Field(0.0002, gt=0, le=0.1)
@@ -105,15 +80,6 @@ class MooncakeSettings(BaseModel):
     side_channel_max_peers: int = Field(256, ge=1)
     # Credentials for the metadata store (etcd, redis, http), read from files or the environment.
     metadata_auth: MetadataAuth = MetadataAuth()
-    # Model identity in the compatibility check: by default a fingerprint of the model's files;
-    # set it when both sides load the same weights from files that differ (a declared name).
-    model_identity: str | None = None
-    # Run on a vLLM outside the tested versions, or one whose internals moved, with plain
-    # fallbacks (``vllm_glue``); otherwise such a vLLM stops at startup, naming what changed.
-    allow_untested_vllm: bool = False
-    # Priority of our latency-critical threads (``os_threads``): off, nice, or realtime (SCHED_FIFO
-    # where the process may take it). The default touches no other process's share of a host.
-    thread_priority: Literal["off", "nice", "realtime"] = "nice"
 
     @field_validator("prefill_url", "decode_url")
     @classmethod
@@ -208,62 +174,11 @@ class ConnectorConfig:
         return env
 
 
-def _format_validation_error(
-    err: ValidationError, source: str, model: type[BaseModel] = MooncakeSettings
-) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(config)"
-        if e["type"] == "extra_forbidden":
-            accepted = ", ".join(model.model_fields)
-            lines.append(f"unknown key {key!r} (accepted keys: {accepted})")
-        elif not e["loc"]:  # a check across keys: its message names them
-            lines.append(e["msg"].removeprefix("Value error, "))
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            value = e.get("input")
-            if isinstance(value, str):
-                value = redact_url(value)  # a store URL may carry a password
-            lines.append(f"{key}={value!r}: {msg}")
-    name = getattr(model, "connector_name", "MooncakeConnector")
-    return f"invalid {name} config ({source}): " + "; ".join(lines)
-
-
 def load_settings(
-    extra_config: Mapping[str, Any] | None,
-    env: Mapping[str, str] | None = None,
-    model: type[BaseModel] = MooncakeSettings,
-) -> Any:
-    """Merge the json file (if ``MOONCAKE_CONFIG_PATH`` is set) with extra_config and validate
-    into ``model`` (``MooncakeSettings``; the pool passes its ``PoolSettings``)."""
-    env = os.environ if env is None else env
-    merged: dict[str, Any] = {}
-    sources = []
-    path = env.get(CONFIG_PATH_ENV)
-    if path:
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise ConfigError(
-                f"{CONFIG_PATH_ENV}={path!r} cannot be read ({e.strerror}); point it to a "
-                "readable Mooncake json file, or unset it and use kv_connector_extra_config"
-            ) from e
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            # json files are UTF-8 (RFC 8259); other bytes are a config problem, not a crash.
-            raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} is not valid JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} must hold a JSON object")
-        merged.update(data)
-        sources.append(path)
-    merged.update(extra_config or {})
-    if extra_config:
-        sources.append("kv_connector_extra_config")
-    try:
-        return model(**merged)
-    except ValidationError as e:
-        source = " + ".join(sources) or "defaults"
-        # Not chained: pydantic's own error shows every input, a URL's password included.
-        raise ConfigError(_format_validation_error(e, source, model)) from None
+    extra_config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> MooncakeSettings:
+    """The P2P connector's settings from the json file and ``extra_config`` (``core.settings``)."""
+    return _load(extra_config, env, model=MooncakeSettings)
 
 
 def resolve(
@@ -272,10 +187,7 @@ def resolve(
     engine_id: str,
     tp_size: int,
 ) -> ConnectorConfig:
-    if role not in ("kv_producer", "kv_consumer", "kv_both"):
-        raise ConfigError(
-            f"kv_role={role!r}: MooncakeConnector accepts 'kv_producer', 'kv_consumer' or 'kv_both'"
-        )
+    role = check_role(role, "MooncakeConnector")
     own_key = "decode_url" if role == "kv_consumer" else "prefill_url"
     host, port = _host_port(own_key, getattr(settings, own_key))
     if port + 2 * tp_size > 65536:

@@ -31,26 +31,19 @@ from typing import TYPE_CHECKING, Any, Literal
 import zmq
 from vllm.v1.request import RequestStatus
 
-from mooncake_vllm.auth import host_allowed, short_id
-from mooncake_vllm.config import ConnectorConfig
-from mooncake_vllm.lease_service import LeaseService, RankLayout
-from mooncake_vllm.local_channels import WakeForwarder, wake_endpoint
-from mooncake_vllm.protocol import (
-    Handoff,
-    HandoffError,
-    compat_hash,
-    parse_handoff,
-    validate_handoff,
-)
-from mooncake_vllm.stats import MooncakeStats
-from mooncake_vllm.step_metadata import LoadSpec, MooncakeConnectorMetadata, MooncakeWorkerMeta
+from mooncake_vllm.core.auth import host_allowed, short_id
+from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
+from mooncake_vllm.p2p.config import ConnectorConfig
+from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
+from mooncake_vllm.p2p.local_channels import WakeForwarder, wake_endpoint
+from mooncake_vllm.p2p.protocol import Handoff, HandoffError, parse_handoff, validate_handoff
+from mooncake_vllm.p2p.stats import MooncakeStats
+from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.vllm_glue import IDLE_STEP_PAUSE_S, EngineCoreHandle, Probe
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -60,66 +53,6 @@ logger = logging.getLogger(__name__)
 
 # A finished request whose prompt KV is complete: its blocks can be handed over.
 _HANDOVER_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-
-
-def kv_is_replicated(vllm_config: VllmConfig) -> bool:
-    """An MLA engine's KV (one latent per token) is the same on every TP rank."""
-    return bool(vllm_config.model_config.use_mla)
-
-
-def _mla_latent(vllm_config: VllmConfig) -> list[int] | None:
-    if not kv_is_replicated(vllm_config):
-        return None
-    hf = vllm_config.model_config.hf_text_config
-    return [hf.kv_lora_rank, hf.qk_rope_head_dim]
-
-
-def engine_kv_layout(vllm_config: VllmConfig, model_identity: str | None = None) -> str:
-    """The engine's KV layout and model (``model_identity``) in words, for the error a
-    mismatched handoff gets."""
-    from mooncake_vllm.model_identity import short_identity
-
-    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    layers = mc.get_num_layers(pc)
-    if (latent := _mla_latent(vllm_config)) is not None:
-        kv = f"MLA latent {latent[0]}+{latent[1]} (any TP size)"
-    else:
-        kv = (
-            f"per-head K/V {mc.get_num_kv_heads(pc)} heads x {mc.get_head_size()} "
-            f"(TP {pc.tensor_parallel_size})"
-        )
-    words = f"{kv}, {layers} layers, {mc.dtype}, KV {cc.cache_dtype}, block {cc.block_size}"
-    return words if model_identity is None else f"{words}, model {short_identity(model_identity)}"
-
-
-def engine_compat_hash(vllm_config: VllmConfig, model_identity: str | None = None) -> str:
-    """What producer and consumer must agree on for a raw block copy: the KV layout and, since
-    KV from other weights of the same shape decodes into a wrong answer, the model
-    (``model_identity.engine_model_identity``; None leaves it out)."""
-    from vllm.platforms import current_platform
-
-    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    use_mla = kv_is_replicated(vllm_config)
-    # An MLA layer caches one latent per token, [kv_lora_rank | qk_rope_head_dim] values, instead
-    # of K and V per head. Named here, not left to head_size and kv_heads to imply: a per-head K/V
-    # block and a latent block, or latents of another width or split, must never validate
-    # against each other. The latent is replicated across TP ranks, so its layout does not depend
-    # on the TP size: MLA engines of any TP sizes validate against each other.
-    mla_latent = _mla_latent(vllm_config)
-    return compat_hash(
-        architectures=getattr(mc.hf_config, "architectures", None),
-        layers=mc.get_num_layers(pc),
-        kv_heads=mc.get_num_kv_heads(pc),
-        head_size=mc.get_head_size(),
-        use_mla=use_mla,
-        mla_latent=mla_latent,
-        dtype=str(mc.dtype),
-        kv_dtype=cc.cache_dtype,
-        block_size=cc.block_size,
-        tp_size=None if use_mla else pc.tensor_parallel_size,
-        device=current_platform.device_type,
-        model=model_identity,
-    )
 
 
 class SchedulerHalf:
@@ -145,7 +78,7 @@ class SchedulerHalf:
         self._pins: BlockPins | None = None
         self._engine_core = EngineCoreHandle.find(probe)
         self._woken = threading.Event()  # a worker or a lease reported since the last rest
-        # Producer: leases and side channels, in a process of their own (lease_service).
+        # Producer: leases and side channels, in a process of their own (leases.client).
         self._leases: LeaseService | None = None
         if cfg.is_producer:
             self._leases = LeaseService(
@@ -401,33 +334,3 @@ class SharedPull:
 
     puller: str  # the request that pulls
     state: Literal["pulling", "done", "failed"] = "pulling"
-
-
-class BlockPins:
-    """Blocks under a pull, held with one extra reference in vLLM's block pool until every TP
-    rank has reported the load settled (see the module docstring)."""
-
-    def __init__(self, pool: BlockPool, tp_size: int):
-        self._pool, self._tp_size = pool, tp_size
-        self._pinned: dict[str, tuple[list[KVCacheBlock], int]] = {}  # → (blocks, ranks left)
-
-    def pin(self, req_id: str, block_ids: list[int]) -> None:
-        if not block_ids:
-            return
-        blocks = [self._pool.blocks[b] for b in block_ids]
-        self._pool.touch(blocks)
-        self._pinned[req_id] = (blocks, self._tp_size)
-
-    def settle(self, req_ids: list[str]) -> None:
-        """One element per rank that settled a load; the last rank unpins its blocks."""
-        for req_id in req_ids:
-            if (pinned := self._pinned.pop(req_id, None)) is None:
-                continue
-            blocks, ranks_left = pinned
-            if ranks_left > 1:
-                self._pinned[req_id] = (blocks, ranks_left - 1)
-            else:
-                self._pool.free_blocks(reversed(blocks))
-
-    def __len__(self) -> int:
-        return len(self._pinned)

@@ -21,7 +21,7 @@ only a ``Release`` with the token of an acquire of that lease ends it (a strange
 acquired, or who guessed nothing, changes nothing). ``readers`` is bounded by the hold's
 ``max_readers`` (1 for a per-rank table) and fixed by the first acquire.
 
-Used by the lease server's one thread (``lease_server``); locked all the same.
+Used by the lease server's one thread (``leases.process``); locked all the same.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mooncake_vllm.auth import short_id
+from mooncake_vllm.core.auth import short_id
 
 
 class LeaseState(enum.Enum):

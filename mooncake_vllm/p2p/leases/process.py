@@ -6,13 +6,13 @@ side-channel thread needed the GIL to wake, read and answer, and vLLM's schedule
 buckets under load. Here the loop has a GIL, and (where allowed) a real-time priority, of its
 own (the A/B is in the README's "How a request flows").
 
-The engine core (``lease_service``) starts it with ``python -m mooncake_vllm.lease_server FD PID``
-and speaks to it over a socket pair: ``Start``, ``Layouts``, ``Hold`` and ``Stop`` in, ``Ready``
-and ``Ended`` out. Ordering is what keeps "an acquire never waits for a step" true: the engine
-core writes a ``Hold`` before the handoff leaves its process, so by the time a consumer's
-``Acquire`` arrives the hold is in this process's socket buffer; the loop reads commands first,
-and again before it refuses an unknown id. A lease's end is reported (``Ended``) before the
-consumer hears ``Released``, and the engine core frees the blocks only once it reads that.
+The engine core (``leases.client``) starts it with ``python -m mooncake_vllm.p2p.leases.process FD
+PID`` and speaks to it over a socket pair: ``Start``, ``Layouts``, ``Hold`` and ``Stop`` in,
+``Ready`` and ``Ended`` out. Ordering is what keeps "an acquire never waits for a step" true: the
+engine core writes a ``Hold`` before the handoff leaves its process, so by the time a consumer's
+``Acquire`` arrives the hold is in this process's socket buffer; the loop reads commands first, and
+again before it refuses an unknown id. A lease's end is reported (``Ended``) before the consumer
+hears ``Released``, and the engine core frees the blocks only once it reads that.
 
 The process ends when the engine core closes the socket pair (or dies: end of file, and the
 kernel's parent-death signal as a backstop).
@@ -34,18 +34,18 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
-from mooncake_vllm.leases import LeaseTable
-from mooncake_vllm.local_channels import WakeSender
-from mooncake_vllm.os_threads import (
+from mooncake_vllm.core.os_threads import (
     latency_zmq_context,
     make_latency_critical,
     name_this_thread,
     set_policy,
 )
-from mooncake_vllm.protocol import MemSegment
-from mooncake_vllm.side_channel import PeerGuard, SideChannelError, SideChannelServer
+from mooncake_vllm.p2p.leases.table import LeaseTable
+from mooncake_vllm.p2p.local_channels import WakeSender
+from mooncake_vllm.p2p.protocol import MemSegment
+from mooncake_vllm.p2p.side_channel import PeerGuard, SideChannelError, SideChannelServer
 
-logger = logging.getLogger("mooncake_vllm.lease_server")
+logger = logging.getLogger("mooncake_vllm.p2p.leases.process")
 
 # Measured (perf sched, 1900-token prompts at c=4 on 2 cores): at nice 0 the side-channel thread
 # waited 11.7 ms on average and up to 168 ms for a CPU after each wake-up; at nice -10, 1.2 ms

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mooncake_vllm.config import ConfigError
+from mooncake_vllm.core.settings import ConfigError
 
 
 def refuse_sleep_mode(vllm_config: Any, connector: str) -> None:

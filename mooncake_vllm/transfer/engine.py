@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_vllm.os_threads import adopt_native_threads, native_threads
-from mooncake_vllm.planning import Region
+from mooncake_vllm.core.os_threads import adopt_native_threads, native_threads
+from mooncake_vllm.core.planning import Region
 
 logger = logging.getLogger(__name__)
 

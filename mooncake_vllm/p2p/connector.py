@@ -1,0 +1,205 @@
+"""``MooncakeConnector``: the class vLLM instantiates, a thin facade over the two halves.
+
+vLLM builds it twice per engine: with role SCHEDULER in the engine-core process (→
+``SchedulerHalf``) and with role WORKER in every worker process (→ ``WorkerHalf``). The halves
+share no memory; they speak only through the per-step ``MooncakeConnectorMetadata`` (scheduler →
+workers) and ``MooncakeWorkerMeta`` (workers → scheduler). The config is loaded and validated in
+both, at construction, so a bad config stops vLLM at startup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from mooncake_vllm.core import os_threads
+from mooncake_vllm.core.cpu_mla import warn_cpu_mla_rope
+from mooncake_vllm.core.identity import engine_compat_hash, engine_kv_layout, kv_is_replicated
+from mooncake_vllm.core.loads import MooncakeWorkerMeta
+from mooncake_vllm.core.model_identity import engine_model_identity
+from mooncake_vllm.core.sleep_mode import refuse_sleep_mode
+from mooncake_vllm.p2p.config import load_settings, resolve
+from mooncake_vllm.p2p.leases.client import RankLayout
+from mooncake_vllm.p2p.protocol import MemSegment
+from mooncake_vllm.p2p.scheduler import SchedulerHalf
+from mooncake_vllm.p2p.stats import MooncakePromMetrics, MooncakeStats
+from mooncake_vllm.p2p.step_metadata import MooncakeConnectorMetadata
+from mooncake_vllm.plugin import use_vllm_logging
+from mooncake_vllm.vllm_glue import check_vllm, shorten_gil_switch_interval, shorten_queue_spin
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MooncakeHandshake(KVConnectorHandshakeMetadata):
+    """Worker → scheduler at startup: the rank's transfer-engine segment name and KV layout,
+    which the producer's side channel (in the scheduler's process) hands to consumers."""
+
+    te_segment: str
+    segments: list[MemSegment]
+    worker_pid: int
+
+
+class MooncakeConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        refuse_sleep_mode(vllm_config, "MooncakeConnector")  # before anything is registered
+        use_vllm_logging()  # also when loaded by kv_connector_module_path, without the plugin
+        ktc = vllm_config.kv_transfer_config
+        settings = load_settings(ktc.kv_connector_extra_config)
+        probe = check_vllm(settings.allow_untested_vllm)
+        os_threads.set_policy(settings.thread_priority)
+        shorten_queue_spin(settings.vllm_busy_loop_s)
+        self._cfg = resolve(
+            settings,
+            ktc.kv_role,
+            ktc.engine_id or "mooncake",
+            vllm_config.parallel_config.tensor_parallel_size,
+        )
+        self._scheduler: SchedulerHalf | None = None
+        self._worker = None
+        model_identity = engine_model_identity(vllm_config, settings.model_identity)
+        compat = engine_compat_hash(vllm_config, model_identity)
+        replicated = kv_is_replicated(vllm_config)  # MLA: any TP size on either side
+        if role == KVConnectorRole.SCHEDULER:
+            warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
+            self._scheduler = SchedulerHalf(
+                self._cfg,
+                vllm_config.cache_config.block_size,
+                compat,
+                kv_layout=engine_kv_layout(vllm_config, model_identity),
+                kv_replicated=replicated,
+                probe=probe,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from mooncake_vllm.p2p.worker import WorkerHalf  # needs torch; workers only
+
+            shorten_gil_switch_interval(settings.gil_switch_interval_s)
+            assert kv_cache_config is not None
+            self._worker = WorkerHalf(
+                self._cfg,
+                get_tensor_model_parallel_rank(),
+                compat,
+                kv_cache_config.num_blocks,
+                kv_replicated=replicated,
+            )
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MooncakeConnectorMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return  # pull design: the producer saves nothing, consumers read its blocks
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.get_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def build_connector_worker_meta(self) -> MooncakeWorkerMeta | None:
+        return self._worker.build_worker_meta()
+
+    def get_kv_connector_stats(self) -> MooncakeStats | None:
+        if self._worker is not None:
+            return self._worker.get_stats()
+        return self._scheduler.get_stats() if self._scheduler is not None else None
+
+    def get_handshake_metadata(self) -> MooncakeHandshake | None:
+        if self._worker is None or self._worker.te_segment is None:
+            return None
+        return MooncakeHandshake(self._worker.te_segment, self._worker.segments, os.getpid())
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self._scheduler.bind_block_pool(gpu_block_pool)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        # vLLM's only hook that keeps its loop stepping without requests (named for push
+        # connectors); ours: destination blocks still pinned under a pull that outlived its
+        # request.
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        layouts = {
+            rank: RankLayout(m.te_segment, list(m.segments), m.worker_pid)
+            for rank, m in metadata.items()
+            if isinstance(m, MooncakeHandshake)
+        }
+        if self._scheduler is not None:
+            self._scheduler.set_layouts(layouts)
+
+    # ---- stats (class-level hooks vLLM calls in its logging process) ---------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MooncakeStats:
+        return MooncakeStats(data=data) if data is not None else MooncakeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return MooncakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
