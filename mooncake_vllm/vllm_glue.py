@@ -157,8 +157,11 @@ def check_vllm(allow_untested: bool) -> Probe:
                 "or set allow_untested_vllm: true in the connector's config to run with plain "
                 "fallbacks for what changed"
             )
-        logger.warning("mooncake_vllm on an untested vLLM (%s): falling back where a probe "
-                       "failed (allow_untested_vllm)", what)  # fmt: skip
+        logger.warning(
+            "mooncake_vllm on an untested vLLM (%s): falling back where a probe "
+            "failed (allow_untested_vllm)",
+            what,
+        )
     return found
 
 
@@ -259,8 +262,9 @@ def shorten_gil_switch_interval(interval_s: float | None) -> None:
     if interval_s is None:
         return
     sys.setswitchinterval(interval_s)
-    logger.info("GIL switch interval in this process: %.2f ms (gil_switch_interval_s)",
-                interval_s * 1000)  # fmt: skip
+    logger.info(
+        "GIL switch interval in this process: %.2f ms (gil_switch_interval_s)", interval_s * 1000
+    )
 
 
 def register_names(ours: dict[str, tuple[str, str, str]], keep_builtin: bool) -> bool:

@@ -198,6 +198,7 @@ def _engine_identity(
         how = "fingerprint of the model's files"
     else:
         how = "no local files found: the model's name and revision"
-    logger.info("model identity %s (%s, %.2f s)", short_identity(identity), how,
-                time.monotonic() - t0)  # fmt: skip
+    logger.info(
+        "model identity %s (%s, %.2f s)", short_identity(identity), how, time.monotonic() - t0
+    )
     return identity

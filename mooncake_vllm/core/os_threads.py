@@ -66,8 +66,11 @@ def raise_priority(nice: int) -> bool:
     except OSError as e:
         if not _priority_refused:
             _priority_refused = True
-            logger.info("cannot raise the priority of our latency-critical threads (%s); "
-                        "acquires may wait for a CPU on a busy host", e)  # fmt: skip
+            logger.info(
+                "cannot raise the priority of our latency-critical threads (%s); "
+                "acquires may wait for a CPU on a busy host",
+                e,
+            )
         return False
 
 

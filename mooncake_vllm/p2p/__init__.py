@@ -1,3 +1,3 @@
 """``MooncakeConnector``, the P2P handoff: ``connector`` (the facade vLLM loads) → ``scheduler``
 (engine core: claims loads, pins blocks, opens leases) → ``worker`` (the pull) → ``side_channel``
-(acquire/release) → ``transfer.engine`` (reads). See ``README.md`` in this folder."""
+(acquire/release) → ``transfer.engine`` (reads). See ``mooncake_vllm/README.md``."""

@@ -153,7 +153,7 @@ class ConnectorConfig:
 
     def engine_env(self) -> dict[str, str]:
         """Every transfer-engine environment setting we choose, with why (the engine reads them
-        once, at initialize; it ignores ``protocol``). Listed in the README."""
+        once, at initialize; it ignores ``protocol``). Listed in docs/configuration.md."""
         env = {
             # Bind and advertise the configured address, not the machine's first interface.
             "MC_TCP_BIND_ADDRESS": self.host,

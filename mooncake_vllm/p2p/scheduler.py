@@ -233,8 +233,12 @@ class SchedulerHalf:
             return False, None  # aborted or incomplete: nothing to hand over, free now
         num_blocks = -(-prompt_len // self._block_size)
         if len(block_ids) < num_blocks:
-            logger.warning("request %s: %d blocks for %d tokens", request.request_id,
-                           len(block_ids), prompt_len)  # fmt: skip
+            logger.warning(
+                "request %s: %d blocks for %d tokens",
+                request.request_id,
+                len(block_ids),
+                prompt_len,
+            )
             return False, None
         # Ours, never the client's: 128 random bits, so nobody can guess (or collide with) the
         # id that names this lease on the side channel.

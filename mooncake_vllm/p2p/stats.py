@@ -16,9 +16,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-_COUNTERS = ("pulls", "pull_failures", "bytes", "blocks", "entries", "released", "expired",
-             "evicted", "refused", "retries", "stalls", "rejected_frames", "acquire_s",
-             "read_s")  # fmt: skip
+_COUNTERS = (
+    "pulls",
+    "pull_failures",
+    "bytes",
+    "blocks",
+    "entries",
+    "released",
+    "expired",
+    "evicted",
+    "refused",
+    "retries",
+    "stalls",
+    "rejected_frames",
+    "acquire_s",
+    "read_s",
+)
 # Per-pull samples, one list each, observed into the histograms below.
 _SAMPLES = ("durations_s", "acquires_s", "reads_s")
 # Point-in-time producer figures (None: not reported): aggregation keeps the newest value.
@@ -123,23 +136,36 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
         self._histograms = {
             key: per_engine(self._histogram_cls, name, doc, buckets=buckets)
             for key, name, doc in (
-                ("durations_s", "mooncake_vllm:pull_duration_seconds",
-                 "Wall time of one KV pull (side channel + transfer engine)"),
-                ("acquires_s", "mooncake_vllm:acquire_duration_seconds",
-                 "Acquire round trip of one pull (side channel, producer wait included)"),
-                ("reads_s", "mooncake_vllm:read_duration_seconds",
-                 "Transfer-engine read of one pull, retries included"),
+                (
+                    "durations_s",
+                    "mooncake_vllm:pull_duration_seconds",
+                    "Wall time of one KV pull (side channel + transfer engine)",
+                ),
+                (
+                    "acquires_s",
+                    "mooncake_vllm:acquire_duration_seconds",
+                    "Acquire round trip of one pull (side channel, producer wait included)",
+                ),
+                (
+                    "reads_s",
+                    "mooncake_vllm:read_duration_seconds",
+                    "Transfer-engine read of one pull, retries included",
+                ),
             )
-        }  # fmt: skip
+        }
         self._gauges = {
-            key: per_engine(self._gauge_cls, f"mooncake_vllm:{key}", doc,
-                            multiprocess_mode="mostrecent")
+            key: per_engine(
+                self._gauge_cls, f"mooncake_vllm:{key}", doc, multiprocess_mode="mostrecent"
+            )
             for key, doc in (
                 ("held_leases", "Finished prefills whose KV blocks are held for consumers"),
-                ("held_bytes", "KV bytes the producer holds for consumers (all TP ranks; "
-                               "bounded by kv_buffer_size per rank)"),
+                (
+                    "held_bytes",
+                    "KV bytes the producer holds for consumers (all TP ranks; "
+                    "bounded by kv_buffer_size per rank)",
+                ),
             )
-        }  # fmt: skip
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, metrics in self._counters.items():

@@ -76,10 +76,9 @@ _PULL_NICE = -10  # where real-time priority is not allowed (os_threads)
 
 def _init_pull_thread() -> None:
     """A pull thread is latency-critical for its whole life, not only for its side-channel round
-    trip: traced at 1024-2048 tokens, c=4 (2026-11-25), 4 of 131 acquires whose reply had arrived
-    took 9.9-22.6 ms more to return once the thread dropped back to normal priority, behind
-    vLLM's busy-waiting threads (A/B in the README: 0 of 64 acquires over 5 ms at 2048/c=4
-    against 4). It sleeps between polls, so the priority costs nothing while idle."""
+    trip: an acquire whose reply has arrived still waits behind vLLM's busy-waiting threads once
+    the thread drops back to normal priority (docs/benchmarks.md, A/B runs). It sleeps between
+    polls, so the priority (``thread_priority``) costs nothing while idle."""
     name_this_thread("mc-pull")
     make_latency_critical(_PULL_NICE)
 
@@ -241,10 +240,15 @@ class WorkerHalf:
         logger.info(
             "MooncakeConnector worker rank %d (%s): %d layers, %d segments, %d B/block, "
             "engine %s, side channel %s, metadata %s",
-            self._tp_rank, cfg.role, len(kv_caches), len(segments), self._bytes_per_block,
-            self._engine.segment_name, side_channel or "-",
+            self._tp_rank,
+            cfg.role,
+            len(kv_caches),
+            len(segments),
+            self._bytes_per_block,
+            self._engine.segment_name,
+            side_channel or "-",
             cfg.metadata.describe(),
-        )  # fmt: skip
+        )
 
     def _publish_serving_url(self) -> None:
         """Publish where this engine serves the OpenAI API, for ``proxy_server.py --discover``
@@ -313,8 +317,11 @@ class WorkerHalf:
                 if job.awaited and not job.reported:
                     out.append(job.future.result())  # _pull never raises
                 elif job.reported:
-                    logger.info("request %s: the pull reported failed at its deadline has "
-                                "ended; its blocks are unpinned", req_id)  # fmt: skip
+                    logger.info(
+                        "request %s: the pull reported failed at its deadline has "
+                        "ended; its blocks are unpinned",
+                        req_id,
+                    )
             elif job.awaited and not job.reported and now > job.deadline + REPORT_AFTER_S:
                 job.reported = True
                 stage = "acquire or first handshake" if job.abandon() else "read"
@@ -419,9 +426,15 @@ class WorkerHalf:
             succeeded = True
             logger.debug(
                 "request %s: pulled %d blocks (%d B, %d entries) from %s: acquire %.1f ms, "
-                "read %.1f ms", load.req_id, len(load.local_block_ids), read.bytes, read.entries,
-                reply.te_segment, 1000 * (acquired_at - start), 1000 * read.duration_s,
-            )  # fmt: skip
+                "read %.1f ms",
+                load.req_id,
+                len(load.local_block_ids),
+                read.bytes,
+                read.entries,
+                reply.te_segment,
+                1000 * (acquired_at - start),
+                1000 * read.duration_s,
+            )
             return PullOutcome(
                 load.req_id,
                 ok=True,

@@ -127,8 +127,10 @@ class PoolSchedulerHalf:
             exists = self._lookup.result(timeout=self._settings.lookup_timeout_s)
             return leading_hits(exists, len(digests), self._key_ranks)
         except FutureTimeout:
-            logger.warning("pool lookup not answered in %gs (lookup_timeout_s): counted as a "
-                           "miss", self._settings.lookup_timeout_s)  # fmt: skip
+            logger.warning(
+                "pool lookup not answered in %gs (lookup_timeout_s): counted as a miss",
+                self._settings.lookup_timeout_s,
+            )
         except Exception as e:
             logger.warning("pool lookup failed (%s): counted as a miss", e)
         self._stats.count("lookup_failures")

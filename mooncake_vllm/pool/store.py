@@ -156,15 +156,21 @@ class PoolStore:
         """``ranges[i]`` = (addresses, sizes) of key ``i``'s value; 0 or a negative code each."""
         return self._ask(
             self._store.batch_put_from_multi_buffers,
-            keys, [r[0] for r in ranges], [r[1] for r in ranges], self._put_config,
-        )  # fmt: skip
+            keys,
+            [r[0] for r in ranges],
+            [r[1] for r in ranges],
+            self._put_config,
+        )
 
     def get(self, keys: Sequence[str], ranges: Sequence[tuple[list[int], list[int]]]) -> list[int]:
         """Bytes read per key, or a negative code."""
         return self._ask(
             self._store.batch_get_into_multi_buffers,
-            keys, [r[0] for r in ranges], [r[1] for r in ranges], always=True,
-        )  # fmt: skip
+            keys,
+            [r[0] for r in ranges],
+            [r[1] for r in ranges],
+            always=True,
+        )
 
     def close(self) -> None:
         for addr in self._registered:

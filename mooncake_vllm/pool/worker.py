@@ -118,9 +118,14 @@ class PoolWorkerHalf:
             self._store.register(addr, nbytes)
         logger.info(
             "MooncakeStoreConnector worker rank %d: %d layers, %d segments, %d B/block; "
-            "mounted %d B into the pool at %s", self._tp_rank, len(kv_caches), len(segments),
-            self._block_bytes, s.global_segment_size, s.master_server_address,
-        )  # fmt: skip
+            "mounted %d B into the pool at %s",
+            self._tp_rank,
+            len(kv_caches),
+            len(segments),
+            self._block_bytes,
+            s.global_segment_size,
+            s.master_server_address,
+        )
 
     def _ranges(self, block_ids: list[int]) -> list[tuple[list[int], list[int]]]:
         return [block_ranges(self._segments, b) for b in block_ids]
@@ -156,8 +161,7 @@ class PoolWorkerHalf:
             # The master did not answer (-900 comes at once): a put would spend seconds
             # reconnecting inside this step, delaying every request in it. Count and move on.
             self._count_put(0, skipped, len(todo), start)
-            self._warn_put(f"unreachable ({describe(min(exists))}): {len(todo)} blocks "
-                           "not put")  # fmt: skip
+            self._warn_put(f"unreachable ({describe(min(exists))}): {len(todo)} blocks not put")
             return
         try:
             codes = self._store.put(
@@ -185,8 +189,11 @@ class PoolWorkerHalf:
         now = time.monotonic()
         if now - self._last_put_warning >= _WARN_EVERY_S:
             self._last_put_warning = now
-            logger.warning("pool %s; those prompts are computed again where needed (the "
-                           "requests are unaffected)", what)  # fmt: skip
+            logger.warning(
+                "pool %s; those prompts are computed again where needed (the "
+                "requests are unaffected)",
+                what,
+            )
 
     # ---- load ----------------------------------------------------------------------------
 
@@ -202,25 +209,33 @@ class PoolWorkerHalf:
                 results = self._store.get(
                     [keys[i] for i in todo], self._ranges([load.block_ids[i] for i in todo])
                 )
-                failed = [(i, n) for i, n in zip(todo, results, strict=True)
-                          if n != self._block_bytes]  # fmt: skip
+                failed = [
+                    (i, n) for i, n in zip(todo, results, strict=True) if n != self._block_bytes
+                ]
                 if not failed:
                     break
                 i, n = failed[0]
                 if any(n not in RETRYABLE for _, n in failed) or time.monotonic() >= deadline:
                     what = describe(n) if n < 0 else f"{n} B, expected {self._block_bytes}"
                     raise RuntimeError(f"get of {keys[i]} returned {what}")
-                logger.info("request %s: get of %d blocks returned %s; asking again",
-                            load.req_id, len(failed), describe(n))  # fmt: skip
+                logger.info(
+                    "request %s: get of %d blocks returned %s; asking again",
+                    load.req_id,
+                    len(failed),
+                    describe(n),
+                )
                 with self._stats_lock:
                     self._stats.count("get_retries")
                 todo = [i for i, _ in failed]
                 time.sleep(min(pause_s, max(0.0, deadline - time.monotonic())))
                 pause_s *= 2
             return LoadOutcome(
-                load.req_id, True, blocks=len(keys), nbytes=len(keys) * self._block_bytes,
+                load.req_id,
+                True,
+                blocks=len(keys),
+                nbytes=len(keys) * self._block_bytes,
                 duration_s=time.monotonic() - start,
-            )  # fmt: skip
+            )
         except Exception as e:
             return LoadOutcome(load.req_id, False, reason=f"{type(e).__name__}: {e}")
 
@@ -235,8 +250,10 @@ class PoolWorkerHalf:
                     out.append(job.future.result())  # _load never raises
             elif not job.reported and now > job.deadline + REPORT_AFTER_S:
                 job.reported = True
-                reason = (f"not done {self._settings.load_timeout_s:g}s (load_timeout_s) after "
-                          "it started; its blocks stay pinned until it has ended")  # fmt: skip
+                reason = (
+                    f"not done {self._settings.load_timeout_s:g}s (load_timeout_s) after "
+                    "it started; its blocks stay pinned until it has ended"
+                )
                 out.append(LoadOutcome(req_id, False, reason=reason))
         return out
 
@@ -251,8 +268,9 @@ class PoolWorkerHalf:
                     self._stats.count("get_bytes", outcome.nbytes)
                     self._stats.sample("get_durations_s", outcome.duration_s)
                 else:
-                    logger.warning("request %s: load from the pool failed: %s",
-                                   outcome.req_id, outcome.reason)  # fmt: skip
+                    logger.warning(
+                        "request %s: load from the pool failed: %s", outcome.req_id, outcome.reason
+                    )
                     results.failed_recving.add(outcome.req_id)
                     self._stats.count("load_failures")
         return results

@@ -254,9 +254,14 @@ class MetadataBridge:
                 f"metadata_server ({target.describe()}) cannot be used: {e}"
             ) from None
         argv = [
-            sys.executable, "-m", "mooncake_vllm.transfer.store_bridge", "--ttl-s", str(ttl_s),
-            "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "mooncake_vllm.transfer.store_bridge",
+            "--ttl-s",
+            str(ttl_s),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         # The store's address goes over stdin, not argv: a URL may carry a password, and any
         # user can read a process's arguments. The credentials are the names of files and
         # variables (the environment is inherited). stderr is inherited: the bridge's warnings

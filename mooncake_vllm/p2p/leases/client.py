@@ -72,8 +72,9 @@ class LeaseService:
             logger.warning(
                 "the side channel listens on %s with no shared secret: anyone who can reach it "
                 "can send it frames. Set auth_secret_file or auth_secret_env on both sides "
-                "(docs/security.md)", cfg.host,
-            )  # fmt: skip
+                "(docs/security.md)",
+                cfg.host,
+            )
         # A pinned lease outlives the consumer's whole pull: its last attempt ends by the
         # deadline plus one stall timeout.
         self._pull_hold_s = s.load_timeout_s + s.stall_timeout_s + 5.0
@@ -89,10 +90,15 @@ class LeaseService:
         ours, theirs = socket.socketpair()
         with theirs:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "mooncake_vllm.p2p.leases.process",
-                 str(theirs.fileno()), str(os.getpid())],
+                [
+                    sys.executable,
+                    "-m",
+                    "mooncake_vllm.p2p.leases.process",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                ],
                 pass_fds=(theirs.fileno(),),
-            )  # fmt: skip
+            )
         self._conn = Connection(ours.detach())
         start = Start(
             host=cfg.host,
@@ -232,8 +238,9 @@ class LeaseService:
             logger.error(
                 "the lease server (pid %d) has ended (exit code %s); finished prefills are no "
                 "longer handed over (their decodes compute the prompt). Restart this vLLM",
-                self._proc.pid, self._proc.poll(),
-            )  # fmt: skip
+                self._proc.pid,
+                self._proc.poll(),
+            )
 
     def close(self) -> None:
         if self._proc.poll() is None:

@@ -4,7 +4,7 @@ Why a process: an acquire must be answered within a millisecond. In the engine-c
 side-channel thread needed the GIL to wake, read and answer, and vLLM's scheduler thread holds it
 (a forced hand-over comes only every 5 ms); the decode's acquire p99 there reached the 20–100 ms
 buckets under load. Here the loop has a GIL, and (where allowed) a real-time priority, of its
-own (the A/B is in the README's "How a request flows").
+own (docs/benchmarks.md, A/B runs).
 
 The engine core (``leases.client``) starts it with ``python -m mooncake_vllm.p2p.leases.process FD
 PID`` and speaks to it over a socket pair: ``Start``, ``Layouts``, ``Hold`` and ``Stop`` in,
@@ -265,9 +265,10 @@ class LeaseServer:
         if self._unlogged and now >= self._logged_at + _DROP_LOG_INTERVAL_S:
             logger.warning(
                 "dropped %d side-channel frames in the last %.0f s: %s",
-                sum(self._unlogged.values()), now - self._logged_at,
+                sum(self._unlogged.values()),
+                now - self._logged_at,
                 ", ".join(f"{n} {why}" for why, n in self._unlogged.most_common()),
-            )  # fmt: skip
+            )
             self._unlogged, self._logged_at = Counter(), now
 
     def _close(self) -> None:
@@ -306,8 +307,12 @@ def main() -> None:
         conn.send_bytes(encode(Ready(str(e))))
         return
     conn.send_bytes(encode(Ready()))
-    logger.info("serving side channels on ports %s (pid %d, priority %s)",
-                start.ports, os.getpid(), priority)  # fmt: skip
+    logger.info(
+        "serving side channels on ports %s (pid %d, priority %s)",
+        start.ports,
+        os.getpid(),
+        priority,
+    )
     server.run()
 
 
