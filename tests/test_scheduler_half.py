@@ -15,7 +15,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from harness.servers import free_port
-from mooncake_vllm.core.identity import engine_compat_hash, engine_kv_layout
+from mooncake_vllm.core.identity import compat_hash, engine_compat_hash, engine_kv_layout
 from mooncake_vllm.core.loads import MooncakeWorkerMeta
 from mooncake_vllm.core.planning import producer_rank_for
 from mooncake_vllm.p2p.config import load_settings, resolve
@@ -439,10 +439,40 @@ def engine_config(
     )
 
 
-def test_compat_hash_of_an_engine_is_stable():
-    assert engine_compat_hash(engine_config()) == engine_compat_hash(engine_config())
-    mla = engine_config(mla_latent=(512, 64))
-    assert engine_compat_hash(mla) == engine_compat_hash(engine_config(mla_latent=(512, 64)))
+def test_an_engines_compat_hash_covers_its_kv_layout_and_model():
+    """What ``engine_compat_hash`` digests, spelled out field by field (``compat_hash`` itself is
+    pinned in test_protocol): a Llama's per-head K/V at its TP size, a DeepSeek-V2's MLA latent at
+    any TP size, and the model when known."""
+    from vllm.platforms import current_platform
+
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "layers": 2,
+        "kv_heads": 4,
+        "head_size": 64,
+        "use_mla": False,
+        "mla_latent": None,
+        "dtype": "torch.float32",
+        "kv_dtype": "auto",
+        "block_size": 16,
+        "tp_size": 2,
+        "device": current_platform.device_type,
+        "model": None,
+    }
+    assert engine_compat_hash(engine_config(tp_size=2)) == compat_hash(**llama)
+    assert engine_compat_hash(engine_config(tp_size=2), "team/ft-1") == compat_hash(
+        **{**llama, "model": "team/ft-1"}
+    )
+    mla = {
+        **llama,
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "kv_heads": 1,
+        "head_size": 576,
+        "use_mla": True,
+        "mla_latent": [512, 64],
+        "tp_size": None,
+    }
+    assert engine_compat_hash(engine_config(mla_latent=(512, 64), tp_size=2)) == compat_hash(**mla)
 
 
 @pytest.mark.parametrize(
