@@ -8,7 +8,7 @@ KV-shaped layer buffers registered with a transfer engine, and this process as t
 each KV shape and prompt length, the same bytes are moved four ways, interleaved sample by sample:
 
 - ``ours``: what the decode worker does for one pull — ``plan_regions`` over the layer
-  segments (``tensor_segments``) for the prompt's blocks, then ``TransferEngine.read``
+  segments (``tensor_segments``) for the prompt's blocks, then ``TransferAgent.read``
   (``mooncake_vllm.transfer.engine``: one-entry batches, non-blocking status polls, deadline);
 - ``raw_te``: the bare ``mooncake.engine`` object, one ``batch_transfer_sync_read`` of the same
   number of bytes per layer cut in large (``--chunk-mib``) contiguous chunks;
@@ -40,7 +40,7 @@ from tqdm import tqdm
 from benchmarks import common
 from benchmarks.transfer_peer import allocate, block_byte
 from mooncake_vllm.core.planning import plan_regions, tensor_segments
-from mooncake_vllm.transfer.engine import TransferEngine
+from mooncake_vllm.transfer.engine import TransferAgent
 
 PRODUCER_HOST, CONSUMER_HOST = "127.0.0.2", "127.0.0.3"
 METHODS = ["ours", "raw_te", "socket", "memcpy"]
@@ -112,7 +112,7 @@ class Peer:
 class Bench:
     """The consumer side for one KV shape: local buffers, peer, socket, the four methods."""
 
-    def __init__(self, engine: TransferEngine, shape: KvShape, num_blocks: int, peer: Peer):
+    def __init__(self, engine: TransferAgent, shape: KvShape, num_blocks: int, peer: Peer):
         self.engine, self.shape, self.peer = engine, shape, peer
         self.num_blocks = num_blocks
         self.dst = allocate(shape.layers, num_blocks, shape.block_bytes, fill=False)
@@ -205,7 +205,7 @@ def block_ids(n: int, num_blocks: int, layout: str, rng: random.Random) -> tuple
 def run(shapes, prompts, layouts, reps: int, chunk_bytes: int, log_dir: Path, seed: int = 0):
     samples = []
     rng = random.Random(seed)
-    engine = TransferEngine(
+    engine = TransferAgent(
         CONSUMER_HOST, "P2PHANDSHAKE", "tcp", "",
         env={"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": CONSUMER_HOST,
              "MC_TCP_PROGRESS_TIMEOUT_SEC": str(STALL_TIMEOUT_S)},

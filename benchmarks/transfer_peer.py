@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from mooncake_vllm.transfer.engine import TransferEngine
+from mooncake_vllm.transfer.engine import TransferAgent
 
 
 def block_byte(layer: int, block: int) -> int:
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--block-bytes", type=int, required=True)
     args = ap.parse_args()
     bufs = allocate(args.layers, args.num_blocks, args.block_bytes, fill=True)
-    engine = TransferEngine(
+    engine = TransferAgent(
         args.host,
         "P2PHANDSHAKE",
         "tcp",

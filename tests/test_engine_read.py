@@ -1,4 +1,4 @@
-"""``TransferEngine.read`` and ``warm_up`` against a fake engine object: what the wrapper does with
+"""``TransferAgent.read`` and ``warm_up`` against a fake engine object: what the wrapper does with
 pending, done, failed and refused entries, and with the deadline (no transfer engine, no vLLM)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from mooncake_vllm.core.planning import Region
-from mooncake_vllm.transfer.engine import TransferEngine, TransferError, TransferTimeout
+from mooncake_vllm.transfer.engine import TransferAgent, TransferError, TransferTimeout
 
 
 class FakeEngine:
@@ -52,7 +52,7 @@ def regions(n: int) -> list[Region]:
 
 
 def read(fake: FakeEngine, n: int, deadline_s: float = 5.0, stall_s: float = 1.0, **kw):
-    engine = TransferEngine.wrapping(fake)
+    engine = TransferAgent.wrapping(fake)
     return engine.read(
         "peer:1",
         regions(n),
@@ -139,7 +139,7 @@ def test_polling_sleeps_between_status_calls():
 
 def test_warm_up_reads_into_scratch_once_per_peer_and_retries():
     fake = FakeEngine({7: [[-1], [1]]})
-    engine = TransferEngine.wrapping(fake)
+    engine = TransferAgent.wrapping(fake)
     engine.warm_up("peer:1", 7, deadline=time.monotonic() + 5, stall_s=0.01)
     engine.warm_up("peer:1", 7, deadline=time.monotonic() + 5, stall_s=0.01)
     assert fake.submitted == [7, 7]  # one failed attempt, one success, then nothing
@@ -147,6 +147,6 @@ def test_warm_up_reads_into_scratch_once_per_peer_and_retries():
 
 def test_warm_up_gives_up_at_the_deadline():
     fake = FakeEngine({7: [[-1]]})
-    engine = TransferEngine.wrapping(fake)
+    engine = TransferAgent.wrapping(fake)
     with pytest.raises(TransferError, match="no read from the peer"):
         engine.warm_up("peer:1", 7, deadline=time.monotonic() + 0.05, stall_s=0.01)

@@ -24,7 +24,7 @@ from mooncake_vllm.p2p.protocol import (
 )
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.p2p.worker import WorkerHalf
-from mooncake_vllm.transfer.engine import TransferEngine
+from mooncake_vllm.transfer.engine import TransferAgent
 
 BLOCK = 64
 REMOTE = MemSegment(base_addr=10_000, block_stride=BLOCK, block_len=BLOCK)
@@ -91,7 +91,7 @@ def make_worker(engine, side_channel, load_timeout_s: float = 0.6, **settings) -
     )
     worker = WorkerHalf(resolve(settings, "kv_consumer", "consumer", 1), 0, "hash", 8)
     # What register_kv_caches sets up around a real engine and real KV tensors.
-    worker._engine = TransferEngine.wrapping(engine)
+    worker._engine = TransferAgent.wrapping(engine)
     worker._segments = [LOCAL]
     worker._client = side_channel
     return worker

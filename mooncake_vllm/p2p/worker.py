@@ -15,7 +15,7 @@ Deadline (``load_timeout_s``) and late writes: the transfer engine cannot cancel
 not done a quarter second past its deadline is reported failed at once (vLLM's policy then fails or
 recomputes the request); its destination blocks stay pinned by the scheduler half until this
 worker reports the load *settled* (``MooncakeWorkerMeta``), which happens only when its thread has
-returned — and ``TransferEngine.read`` returns only once every entry it submitted has ended (a
+returned — and ``TransferAgent.read`` returns only once every entry it submitted has ended (a
 stalled entry is ended by the engine after ``stall_timeout_s`` without progress; no attempt starts
 unless it can end by the deadline). A pull still in the acquire or the engine's first handshake
 (which can block in C++) at the deadline submits nothing afterwards (``_PullJob.start_reading``
@@ -63,7 +63,7 @@ from mooncake_vllm.p2p.protocol import (
 from mooncake_vllm.p2p.side_channel import SideChannelClient, SideChannelError
 from mooncake_vllm.p2p.stats import MooncakeStats
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
-from mooncake_vllm.transfer.engine import TransferEngine
+from mooncake_vllm.transfer.engine import TransferAgent
 from mooncake_vllm.transfer.store_bridge import MetadataBridge
 from mooncake_vllm.transfer.stores import P2P_HANDSHAKE
 
@@ -148,7 +148,7 @@ class WorkerHalf:
         # MLA: the latent is the same on every TP rank (see planning.producer_rank_for).
         self._kv_replicated = kv_replicated
         self._num_blocks = num_blocks
-        self._engine: TransferEngine | None = None
+        self._engine: TransferAgent | None = None
         self._segments: list[MemSegment] = []
         self._bytes_per_block = 0
         self._claim: zmq.Socket | None = None
@@ -209,7 +209,7 @@ class WorkerHalf:
             )
             metadata_arg = self._bridge.url
         try:
-            self._engine = TransferEngine(
+            self._engine = TransferAgent(
                 cfg.engine_hostname(self._tp_rank),
                 metadata_arg,
                 s.protocol,

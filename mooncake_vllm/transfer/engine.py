@@ -61,8 +61,10 @@ class ReadResult:
     stalls: int = 0  # of those, attempts the engine dropped for making no progress
 
 
-class TransferEngine:
-    """One initialized transfer engine with the memory it registered."""
+class TransferAgent:
+    """This process's one Mooncake transfer engine, initialized, with the memory it registered:
+    how a worker registers its KV cache and reads a peer's (the name is NIXL's word for the same
+    role, and says it is neither Mooncake's class nor vLLM's engine core)."""
 
     def __init__(
         self,
@@ -98,7 +100,7 @@ class TransferEngine:
         self._adopt(te, hostname, p2p=metadata_server == "P2PHANDSHAKE")
 
     @classmethod
-    def wrapping(cls, te: Any, hostname: str = "test:1", p2p: bool = True) -> TransferEngine:
+    def wrapping(cls, te: Any, hostname: str = "test:1", p2p: bool = True) -> TransferAgent:
         """Wrap an engine-like object already initialized (tests pass a fake one)."""
         engine = cls.__new__(cls)
         engine._adopt(te, hostname, p2p)
