@@ -126,7 +126,7 @@ def test_the_load_names_digests_and_destination_blocks_and_is_claimed_once():
     assert [(m.digests, m.block_ids) for m in meta.loads] == [(DIGESTS[1:], [8, 9])]
     assert h.get_num_new_matched_tokens(request(), 128) == (0, False)  # after the load: local
     assert h.build_connector_meta(step()).loads == []
-    h.request_finished(request())
+    h.request_finished(request(), [])
     assert h.get_num_new_matched_tokens(request(), 128) == (172, True)  # a new request again
 
 

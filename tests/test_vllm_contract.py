@@ -46,11 +46,16 @@ def _params(fn) -> list[str]:
 
 
 def _overridden(cls) -> list[str]:
+    """Hooks of vLLM's base class that ``cls`` or one of our bases (``HalvesConnector``) define."""
+    ours = [c for c in cls.__mro__ if c.__module__.startswith("mooncake_vllm")]
     return sorted(
-        n for n, v in vars(cls).items()
-        if hasattr(KVConnectorBase_V1, n) and not n.startswith("_")
+        n
+        for c in ours
+        for n, v in vars(c).items()
+        if hasattr(KVConnectorBase_V1, n)
+        and not n.startswith("_")
         and (callable(v) or isinstance(v, classmethod | staticmethod))
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("cls", [MooncakeConnector, MooncakeStoreConnector])

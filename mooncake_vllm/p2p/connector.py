@@ -15,17 +15,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
 
 from mooncake_vllm.core import os_threads
 from mooncake_vllm.core.cpu_mla import warn_cpu_mla_rope
+from mooncake_vllm.core.facade import HalvesConnector
 from mooncake_vllm.core.identity import engine_compat_hash, engine_kv_layout, kv_is_replicated
-from mooncake_vllm.core.loads import MooncakeWorkerMeta
 from mooncake_vllm.core.model_identity import engine_model_identity
 from mooncake_vllm.core.sleep_mode import refuse_sleep_mode
 from mooncake_vllm.p2p.config import load_settings, resolve
@@ -40,9 +37,7 @@ from mooncake_vllm.vllm_glue import check_vllm, shorten_gil_switch_interval, sho
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +52,7 @@ class MooncakeHandshake(KVConnectorHandshakeMetadata):
     worker_pid: int
 
 
-class MooncakeConnector(KVConnectorBase_V1):
+class MooncakeConnector(HalvesConnector):
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -110,16 +105,10 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     # ---- worker side ---------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._worker.register_kv_caches(kv_caches)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MooncakeConnectorMetadata)
         self._worker.start_load_kv(meta)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-request and asynchronous
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return  # pull design: the producer saves nothing, consumers read its blocks
@@ -127,63 +116,10 @@ class MooncakeConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         return
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._worker.get_transfer_results()
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        r = self.get_transfer_results(finished_req_ids)
-        return r.finished_sending, r.finished_recving
-
-    def build_connector_worker_meta(self) -> MooncakeWorkerMeta | None:
-        return self._worker.build_worker_meta()
-
-    def get_kv_connector_stats(self) -> MooncakeStats | None:
-        if self._worker is not None:
-            return self._worker.get_stats()
-        return self._scheduler.get_stats() if self._scheduler is not None else None
-
     def get_handshake_metadata(self) -> MooncakeHandshake | None:
         if self._worker is None or self._worker.te_segment is None:
             return None
         return MooncakeHandshake(self._worker.te_segment, self._worker.segments, os.getpid())
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-        if self._scheduler is not None:
-            self._scheduler.shutdown()
-
-    # ---- scheduler side ------------------------------------------------------------------
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
-
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
-
-    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
-        self._scheduler.bind_block_pool(gpu_block_pool)
-
-    def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(connector_output)
-
-    def has_pending_push_work(self) -> bool:
-        # vLLM's only hook that keeps its loop stepping without requests (named for push
-        # connectors); ours: destination blocks still pinned under a pull that outlived its
-        # request.
-        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         layouts = {

@@ -225,7 +225,9 @@ class PoolSchedulerHalf:
             time.sleep(IDLE_STEP_PAUSE_S)  # waiting for a load: do not spin a core
         return meta
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Blocks are never held for the pool: saves end within the step that computed them."""
         req_id = request.request_id
         self._saving.pop(req_id, None)

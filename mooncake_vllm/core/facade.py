@@ -1,0 +1,95 @@
+"""What both connector classes are: a thin facade that vLLM builds twice per engine, over a
+scheduler half (role SCHEDULER, in the engine-core process) and a worker half (role WORKER, in
+every worker process). The halves share no memory; they speak through the per-step connector
+metadata (scheduler → workers) and the workers' ``MooncakeWorkerMeta`` (workers → scheduler).
+
+``HalvesConnector`` forwards every hook whose meaning is the same for both connectors; each
+connector builds its halves and adds what is its own (``start_load_kv``'s metadata type, saving,
+the P2P handshake, its stats classes).
+
+A half provides: scheduler half ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+``build_connector_meta``, ``request_finished(request, block_ids)``, ``bind_block_pool``,
+``update_connector_output``, ``has_pending_work``, ``get_stats``, ``shutdown``; worker half
+``register_kv_caches``, ``get_transfer_results``, ``build_worker_meta``, ``get_stats``,
+``shutdown``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorTransferResults,
+)
+
+from mooncake_vllm.core.loads import MooncakeWorkerMeta
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+
+class HalvesConnector(KVConnectorBase_V1):
+    _scheduler: Any = None  # set by the subclass for role SCHEDULER
+    _worker: Any = None  # set by the subclass for role WORKER
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.get_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending, r.finished_recving
+
+    def build_connector_worker_meta(self) -> MooncakeWorkerMeta | None:
+        return self._worker.build_worker_meta()
+
+    def get_kv_connector_stats(self) -> Any:
+        half = self._worker if self._worker is not None else self._scheduler
+        return half.get_stats() if half is not None else None
+
+    def shutdown(self) -> None:
+        for half in (self._worker, self._scheduler):
+            if half is not None:
+                half.shutdown()
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        self._scheduler.bind_block_pool(gpu_block_pool)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        # vLLM's only hook that keeps its loop stepping without requests (named for push
+        # connectors); ours: destination blocks still pinned under a load that outlived its
+        # request.
+        return self._scheduler is not None and self._scheduler.has_pending_work()
