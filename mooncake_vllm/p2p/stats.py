@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from mooncake_vllm.core.prom import ConnectorPromMetrics
 
 _COUNTERS = (
     "pulls",
@@ -101,15 +100,12 @@ class MooncakeStats(KVConnectorStats):
         return not any(d.get(k) for k in _COUNTERS) and all(d.get(k) is None for k in _GAUGES)
 
 
-class MooncakePromMetrics(KVConnectorPromMetrics):
+class MooncakePromMetrics(ConnectorPromMetrics):
     """``mooncake_vllm:*`` series on vLLM's own ``/metrics``."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-        def per_engine(cls, name, doc, **kw):
-            metric = cls(name=name, documentation=doc, labelnames=labelnames, **kw)
-            return {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+        per_engine = self.per_engine
 
         c = self._counter_cls
         self._counters = {
@@ -166,14 +162,3 @@ class MooncakePromMetrics(KVConnectorPromMetrics):
                 ),
             )
         }
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, metrics in self._counters.items():
-            if transfer_stats_data.get(key):
-                metrics[engine_idx].inc(transfer_stats_data[key])
-        for key, metrics in self._histograms.items():
-            for value in transfer_stats_data.get(key, ()):
-                metrics[engine_idx].observe(value)
-        for key, metrics in self._gauges.items():
-            if (value := transfer_stats_data.get(key)) is not None:
-                metrics[engine_idx].set(value)

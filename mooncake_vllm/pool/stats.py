@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from mooncake_vllm.core.prom import ConnectorPromMetrics
 
 COUNTERS = {
     "lookups": "existence checks of a prompt's blocks (scheduler)",
@@ -74,13 +73,10 @@ class PoolStats(KVConnectorStats):
         return not any(self.data.get(k) for k in (*COUNTERS, *SAMPLES))
 
 
-class PoolPromMetrics(KVConnectorPromMetrics):
+class PoolPromMetrics(ConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-        def per_engine(cls, name, doc, **kw):
-            metric = cls(name=name, documentation=doc, labelnames=labelnames, **kw)
-            return {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+        per_engine = self.per_engine
 
         self._counters = {
             key: per_engine(self._counter_cls, f"mooncake_vllm:pool_{key}", doc)
@@ -91,11 +87,3 @@ class PoolPromMetrics(KVConnectorPromMetrics):
             key: per_engine(self._histogram_cls, f"mooncake_vllm:{name}", doc, buckets=buckets)
             for key, (name, doc) in SAMPLES.items()
         }
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, metrics in self._counters.items():
-            if transfer_stats_data.get(key):
-                metrics[engine_idx].inc(transfer_stats_data[key])
-        for key, metrics in self._histograms.items():
-            for value in transfer_stats_data.get(key, ()):
-                metrics[engine_idx].observe(value)
