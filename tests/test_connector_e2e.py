@@ -64,6 +64,34 @@ async def eventually(check, timeout_s: float = 15.0, interval_s: float = 0.25):
         await asyncio.sleep(interval_s)
 
 
+# vLLM 0.32's answer to a request whose KV load failed under kv_load_failure_policy "fail": the
+# scheduler ends it FINISHED_ERROR, the OpenAI server raises GenerationError for finish reason
+# "error" (vllm/entrypoints/generate/base/serving.py, ``_raise_if_error``) and answers this
+# document with HTTP 500; a stream has already answered 200, so it gets the document as its one
+# event before [DONE].
+FAILED_LOAD_ERROR = {
+    "error": {
+        "message": "Internal server error",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+
+
+def assert_failed_load(status: int, text: str, stream: bool = False) -> None:
+    """``status`` and ``text`` are vLLM's answer to a request whose KV load failed (policy
+    "fail"): the error document, with 500 or as the stream's only event."""
+    if not stream:
+        assert status == 500, text
+        assert json.loads(text) == FAILED_LOAD_ERROR, text
+        return
+    assert status == 200, text
+    events = [line.removeprefix("data: ") for line in text.splitlines() if line.strip()]
+    assert events[-1:] == ["[DONE]"], text
+    assert [json.loads(e) for e in events[:-1]] == [FAILED_LOAD_ERROR], text
+
+
 def nothing_held(srv) -> bool:
     return srv.metric("mooncake_vllm:held_leases") == 0 and srv.metric(
         "vllm:kv_cache_usage_perc"
@@ -90,6 +118,7 @@ async def test_outputs_equal_plain_and_prompts_arrive_by_transfer(pd, http, stre
         pd.decode.metric("mooncake_vllm:blocks_total"),
     )
     bytes0 = pd.decode.metric("mooncake_vllm:bytes_total")
+    failures0 = pd.decode.metric("mooncake_vllm:pull_failures_total")
     mismatches = []
     for prompt in batch:
         ref = await complete(http, pd.plain, body(pd.model, prompt))
@@ -112,7 +141,7 @@ async def test_outputs_equal_plain_and_prompts_arrive_by_transfer(pd, http, stre
         blocks(len(p)) for p in batch
     )
     assert pd.decode.metric("mooncake_vllm:bytes_total") > bytes0
-    assert pd.decode.metric("mooncake_vllm:pull_failures_total") == 0
+    assert pd.decode.metric("mooncake_vllm:pull_failures_total") == failures0
     await eventually(lambda: nothing_held(pd.prefill))
 
 
@@ -240,20 +269,23 @@ def both(pd):
 async def test_kv_both_instance_consumes_and_produces(pd, both, http):
     a, b = prompts(seed=29, lengths=[260, 700])
     ref_a = await complete(http, pd.plain, body(pd.model, a))
+    both_pulls0 = both.metric("mooncake_vllm:pulls_total")
     _, tail = await two_legs(http, pd.prefill, both, body(pd.model, a))  # both as consumer
     assert tail.token_ids == ref_a.token_ids
+    await eventually(lambda: both.metric("mooncake_vllm:pulls_total") == both_pulls0 + 1)
     ref_b = await complete(http, pd.plain, body(pd.model, b))
     pulls0 = pd.decode.metric("mooncake_vllm:pulls_total")
     _, tail = await two_legs(http, both, pd.decode, body(pd.model, b))  # both as producer
     assert tail.token_ids == ref_b.token_ids
     await eventually(lambda: pd.decode.metric("mooncake_vllm:pulls_total") == pulls0 + 1)
-    assert both.metric("mooncake_vllm:pulls_total") >= 1
+    assert both.metric("mooncake_vllm:pulls_total") == both_pulls0 + 1  # it pulled nothing more
     await eventually(lambda: nothing_held(both))
 
 
 @pytest.mark.provokes_pull_failure
-async def test_fail_policy_gives_a_clear_error_within_the_deadline(pd, both, http):
-    prompt = prompts(seed=31, lengths=[300])[0]
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+async def test_fail_policy_gives_a_clear_error_within_the_deadline(pd, both, http, stream):
+    prompt = prompts(seed=31 + stream, lengths=[300])[0]
     bogus = {
         "do_remote_prefill": True,
         "transfer_id": f"never-issued-{uuid.uuid4()}",
@@ -265,14 +297,15 @@ async def test_fail_policy_gives_a_clear_error_within_the_deadline(pd, both, htt
         "block_size": BLOCK,
         "compat_hash": "0" * 64,
     }
+    failures0 = both.metric("mooncake_vllm:pull_failures_total")
     t0 = time.monotonic()
-    async with http.post(
-        f"{both.url}/v1/completions", json=body(pd.model, prompt, kv_transfer_params=bogus)
-    ) as resp:
+    request = body(pd.model, prompt, stream=stream, kv_transfer_params=bogus)
+    async with http.post(f"{both.url}/v1/completions", json=request) as resp:
         text = await resp.text()
     assert time.monotonic() - t0 < pd.load_timeout_s + 5
-    assert resp.status >= 400 or '"error"' in text, text
-    assert json.loads(text)  # an error document, not a hang or an empty body
+    assert_failed_load(resp.status, text, stream)
+    # It is the refused handoff that failed the request: one failed pull.
+    await eventually(lambda: both.metric("mooncake_vllm:pull_failures_total") == failures0 + 1)
     # The instance still serves afterwards.
     ref = await complete(http, pd.plain, body(pd.model, prompt))
     got = await complete(http, both, body(pd.model, prompt))
