@@ -115,9 +115,10 @@ def cluster(tiny_model, tmp_path_factory):
         {
             "prefill_url": "127.0.0.4:13020",
             "load_timeout_s": LOAD_TIMEOUT_S,
-            # It pulls from the pair's prefill and itself only: a handoff naming another
-            # producer is refused (tests/test_hostile_peers_e2e.py).
-            "trusted_producers": [PREFILL_HOST, "127.0.0.4"],
+            # It pulls from the pair's prefill, itself and the MLA module's prefill (whose
+            # handoff it must refuse by compat hash) only: a handoff naming another producer
+            # is refused before any frame (tests/test_hostile_peers_e2e.py).
+            "trusted_producers": [PREFILL_HOST, "127.0.0.4", "127.0.0.6"],
         },
         kv_load_failure_policy="fail",
         kv_connector_module_path="mooncake_vllm.connector",
