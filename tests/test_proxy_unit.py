@@ -61,6 +61,55 @@ def test_prefill_leg_caps_every_token_limit(path, body, expected_max_completion_
     assert leg.get("max_completion_tokens") == expected_max_completion_tokens
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "left_out"),
+    [
+        (COMPLETIONS, {"min_tokens": 4}, ["min_tokens"]),
+        (COMPLETIONS, {"logprobs": 3, "logprob_token_ids": [5]}, ["logprobs", "logprob_token_ids"]),
+        (COMPLETIONS, {"echo": True}, ["echo"]),
+        (COMPLETIONS, {"response_format": {"type": "json_object"}}, ["response_format"]),
+        (COMPLETIONS, {"structured_outputs": {"choice": ["a"]}}, ["structured_outputs"]),
+        (CHAT, {"logprobs": True, "top_logprobs": 2}, ["logprobs", "top_logprobs"]),
+        (CHAT, {"structured_outputs": {"regex": "a+"}}, ["structured_outputs"]),
+        # Kept: they shape the prompt (a chat template may render response_format and tools)
+        # or vLLM checks them up front.
+        (CHAT, {"response_format": {"type": "json_object"}}, []),
+        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required"}, []),
+        (COMPLETIONS, {"logit_bias": {"5": 2.0}, "seed": 3, "stop": ["x"], "ignore_eos": True,
+                       "add_special_tokens": False, "truncate_prompt_tokens": 9}, []),
+        # Without a stream, stream_options reach the prefill, which refuses them as plain does.
+        (COMPLETIONS, {"stream_options": {"include_usage": True}}, []),
+    ],
+)  # fmt: skip
+def test_prefill_leg_leaves_out_what_only_concerns_the_generated_tokens(path, extra, left_out):
+    body = {"model": "m", "prompt": "p"} if path == COMPLETIONS else {"messages": [{}]}
+    leg = rewrite.build_prefill_body({**body, **extra}, path, "t")
+    for key, value in extra.items():
+        assert (key not in leg) if key in left_out else (leg[key] == value), key
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        (COMPLETIONS, {"prompt": "p"}, None),
+        (COMPLETIONS, {"prompt": "p", "echo": True}, None),  # the prompt's text only
+        (COMPLETIONS, {"prompt": "p", "logprobs": 2}, None),
+        (COMPLETIONS, {"prompt": "p", "echo": True, "logprobs": 0}, "echo"),
+        (COMPLETIONS, {"prompt": "p", "prompt_logprobs": 0}, "prompt_logprobs"),
+        (COMPLETIONS, {"prompt": "p", "prompt_logprobs": None}, None),
+        (COMPLETIONS, {"prompt": ["a", "b"], "use_beam_search": True, "n": 2}, "use_beam_search"),
+        (COMPLETIONS, {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+        (CHAT, {"messages": [{}]}, None),
+        (CHAT, {"messages": [{}], "echo": True}, "echo"),  # vLLM: prompt logprobs top_logprobs=0
+        (CHAT, {"messages": [{}], "echo": True, "top_logprobs": None}, None),
+        (CHAT, {"messages": [{}], "prompt_logprobs": 1}, "prompt_logprobs"),
+    ],
+)
+def test_requests_whose_decode_reads_no_transferred_kv_go_to_the_decode_alone(path, body, field):
+    assert rewrite.served_by_decode_alone(body, path) == field
+
+
 def test_transfer_ids_are_fresh():
     assert rewrite.new_transfer_id() != rewrite.new_transfer_id()
 
@@ -110,6 +159,8 @@ def test_handoff_is_read_from_the_top_level_of_the_prefill_answer(answer, expect
         (COMPLETIONS, {"prompt": [1, 2, 3]}),
         (COMPLETIONS, {"prompt": [[1, 2], [3]]}),
         (COMPLETIONS, {"prompt": "x", "max_tokens": None, "n": None, "stream": None}),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 0, "echo": True}),  # the prompt alone
+        (COMPLETIONS, {"prompt_embeds": "AAAA"}),
         (
             CHAT,
             {
@@ -139,6 +190,8 @@ def test_valid_bodies_pass(path, body):
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {"messages": ["hi"]}, "messages"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (CHAT, {"messages": [{}], "max_tokens": 0, "echo": True}, "max_tokens"),
+        (COMPLETIONS, {"prompt": None}, "prompt"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "max_tokens": True}, "max_tokens"),
         (CHAT, {"messages": [{}], "max_completion_tokens": -1}, "max_completion_tokens"),

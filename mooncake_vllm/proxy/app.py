@@ -39,7 +39,7 @@ from typing import Any
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from mooncake_vllm.proxy import legs, rewrite
+from mooncake_vllm.proxy import fanout, legs, prompt_list, rewrite
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.discovery import RegistryFollower
 from mooncake_vllm.proxy.errors import ProxyError
@@ -68,9 +68,22 @@ async def generate(
     backends: Backends, ctx: RequestContext, body: dict[str, Any], raw: bytes
 ) -> Response:
     """A completion (``body`` parsed from the client's ``raw`` bytes): the prefill leg, then the
-    decode's answer, read whole or streamed."""
-    outcome = await legs.prefill(backends, ctx, body)
-    decode_body = rewrite.decode_body_bytes(raw, body, outcome.kv_transfer_params)
+    decode's answer, read whole or streamed.
+
+    A list of prompts gets a prefill leg and a decode request per prompt (``fanout``); a
+    request whose decode would read no KV by transfer goes to the decode alone
+    (``rewrite.served_by_decode_alone``). Pool mode needs neither split: a prefill leg with
+    the whole list puts every prompt in the pool, where the decode finds it.
+    """
+    alone = rewrite.served_by_decode_alone(body, ctx.path)
+    if alone is not None:
+        logger.info("%s: %s: the decode serves it alone", ctx.request_id, alone)
+        handoff = None
+    else:
+        if backends.cfg.mode != "pool" and (prompts := prompt_list.prompts_to_split(body)):
+            return await fanout.generate_each_prompt(backends, ctx, body, prompts)
+        handoff = (await legs.prefill(backends, ctx, body)).kv_transfer_params
+    decode_body = rewrite.decode_body_bytes(raw, body, handoff)
     leg = await legs.open_decode(backends, ctx, decode_body)
     status = leg.response.status
     if not 200 <= status < 300:
@@ -214,6 +227,11 @@ def create_app(cfg: ProxyConfig) -> Quart:
             rewrite.validate_body(body, request.path)
         except rewrite.InvalidRequest as e:
             raise ProxyError.of(400, e.message, "invalid_request_error", e.param) from e
+        # vLLM names its answer after X-Request-Id, else the body's request_id; the proxy sends
+        # X-Request-Id on both legs, so it takes the body's when the client sent no header.
+        body_request_id = body.get("request_id")
+        if request.headers.get("X-Request-Id") is None and isinstance(body_request_id, str):
+            g.request_id = rewrite.request_id_from(body_request_id)
         ctx = request_context()
         if cfg.policy is Policy.PREFIX:
             ctx = dataclasses.replace(ctx, prefix_key=prefix_key(body))

@@ -101,9 +101,11 @@ def validate_body(body: dict[str, Any], path: str) -> None:
     left to vLLM, which answers with its own 400 on the prefill leg.
     """
     if path == COMPLETIONS_PATH:
-        if "prompt" not in body:
-            raise InvalidRequest("'prompt' is required", "prompt")
-        _check_prompt(body["prompt"])
+        if body.get("prompt") is None:
+            if body.get("prompt_embeds") is None:
+                raise InvalidRequest("'prompt' is required", "prompt")
+        else:
+            _check_prompt(body["prompt"])
     elif path == CHAT_COMPLETIONS_PATH:
         if "messages" not in body:
             raise InvalidRequest("'messages' is required", "messages")
@@ -113,8 +115,12 @@ def validate_body(body: dict[str, Any], path: str) -> None:
 
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
-        if value is not None and not (_is_int(value) and value > 0):
-            raise InvalidRequest(f"'{key}' must be an integer > 0, got {value!r}", key)
+        if value is None:
+            continue
+        # vLLM answers a completion with max_tokens 0 and echo with the prompt alone.
+        least = 0 if key == "max_tokens" and path == COMPLETIONS_PATH and body.get("echo") else 1
+        if not (_is_int(value) and value >= least):
+            raise InvalidRequest(f"'{key}' must be an integer >= {least}, got {value!r}", key)
     n = body.get("n")
     if n is not None and not (_is_int(n) and n >= 1):
         raise InvalidRequest(f"'n' must be an integer >= 1, got {n!r}", "n")
@@ -142,17 +148,43 @@ def without_client_handoff(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != KV_TRANSFER_PARAMS}
 
 
+# What the prefill leg leaves out of the client's request. The prefill computes the prompt and
+# returns one token nobody reads, so it keeps every field that shapes the prompt (prompt or
+# messages, chat template and its arguments, tools, add_special_tokens, truncation, suffix, ...)
+# or that vLLM checks up front (sampling settings, logit_bias, stop, seed, ...), and drops what
+# only asks for work on that token or for a stream:
+# - min_tokens: vLLM refuses min_tokens > max_tokens, and the leg's max_tokens is 1;
+# - logprobs, top_logprobs, logprob_token_ids: log-probabilities of the discarded token;
+# - echo, prompt_logprobs: requests that need the prompt's log-probabilities never get here
+#   (``served_by_decode_alone``); echo alone only repeats the prompt in the answer;
+# - structured_outputs, and on /v1/completions response_format: a grammar compiled and applied
+#   for one token. A chat keeps response_format: a chat template may render it into the prompt.
+_PREFILL_LEAVES_OUT = {
+    COMPLETIONS_PATH: (
+        "min_tokens", "logprobs", "logprob_token_ids", "echo", "prompt_logprobs",
+        "structured_outputs", "response_format",
+    ),
+    CHAT_COMPLETIONS_PATH: (
+        "min_tokens", "logprobs", "top_logprobs", "logprob_token_ids", "echo", "prompt_logprobs",
+        "structured_outputs",
+    ),
+}  # fmt: skip
+
+
 def build_prefill_body(body: dict[str, Any], path: str, transfer_id: str | None) -> dict[str, Any]:
     """The prefill leg: one token, one choice, no stream, and a request to keep the KV for decode.
 
-    ``min_tokens`` is dropped because vLLM refuses ``min_tokens > max_tokens``; ``stream_options``
-    because vLLM refuses it without ``stream``. Each prefill attempt gets its own ``transfer_id``:
-    the producer keys its block lease on it and the consumer refuses a transfer id it has seen.
-    ``transfer_id`` None (pool mode): no handoff is asked for; the prefill only fills the pool.
+    The fields in ``_PREFILL_LEAVES_OUT`` are dropped; ``stream_options`` too when the client
+    streams (vLLM refuses it without ``stream``; a client that sends it without streaming gets
+    vLLM's refusal from the prefill, as from a plain vLLM). Each prefill attempt gets its own
+    ``transfer_id``; ``transfer_id`` None (pool mode): no handoff is asked for, the prefill only
+    fills the pool.
     """
     leg = without_client_handoff(body)
-    leg.pop("stream_options", None)
-    leg.pop("min_tokens", None)
+    for key in _PREFILL_LEAVES_OUT[path]:
+        leg.pop(key, None)
+    if wants_stream(body):
+        leg.pop("stream_options", None)
     leg["max_tokens"] = 1
     if path == CHAT_COMPLETIONS_PATH or "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
@@ -166,6 +198,34 @@ def build_prefill_body(body: dict[str, Any], path: str, transfer_id: str | None)
         "transfer_id": transfer_id,
     }
     return leg
+
+
+def served_by_decode_alone(body: dict[str, Any], path: str) -> str | None:
+    """The field for which the decode serves this request alone, without a prefill leg, or None.
+
+    These are requests whose decode would read no KV by transfer anyway, so a prefill leg
+    would only compute the prompt twice and hold blocks nobody pulls:
+
+    - the prompt's log-probabilities (``prompt_logprobs``; ``echo`` with ``logprobs``, or on a
+      chat ``echo`` unless ``top_logprobs`` is null, which vLLM turns into prompt
+      log-probabilities): they need the logits of every prompt position, so vLLM reads no cached
+      or transferred KV for such a request;
+    - ``use_beam_search``: vLLM's beam search sends its own engine requests, one per beam and
+      step, without the request's ``kv_transfer_params``;
+    - ``prompt_embeds``: the pair's handover of embedded prompts is not tested.
+    """
+    if body.get("use_beam_search"):
+        return "use_beam_search"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt_logprobs"
+    if body.get("echo"):
+        if path == COMPLETIONS_PATH and body.get("logprobs") is not None:
+            return "echo"
+        if path == CHAT_COMPLETIONS_PATH and body.get("top_logprobs", 0) is not None:
+            return "echo"
+    if path == COMPLETIONS_PATH and body.get("prompt_embeds") is not None:
+        return "prompt_embeds"
+    return None
 
 
 def handoff_from_prefill(answer: Any) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """Relaying a streamed decode answer to the client, and what happens when either side goes away.
 
-The decode's SSE bytes are passed on unchanged as they arrive. A decode that fails mid-stream
+The decode's SSE bytes are passed on unchanged as they arrive (``DecodeStream``); the streams of
+a list of prompts are merged into one (``MergedStream``). A decode that fails mid-stream
 (dropped connection, the request's deadline) ends the stream with one ``data: {"error": ...}``
 event; a client that goes away closes the decode connection, which makes vLLM abort the request.
 """
@@ -19,6 +20,7 @@ from mooncake_vllm.proxy.errors import classify
 from mooncake_vllm.proxy.failover import Backends, InFlight, RequestContext
 from mooncake_vllm.proxy.legs import OpenDecode
 from mooncake_vllm.proxy.limits import ClientSlot
+from mooncake_vllm.proxy.prompt_list import StreamMerge
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 
@@ -96,3 +98,102 @@ class DecodeStream:
             )
             self._finished = True
         self._close()
+
+
+def _abandon_all(
+    legs: list[tuple[aiohttp.ClientResponse, InFlight]], client_slot: ClientSlot | None
+) -> None:
+    for response, in_flight in legs:
+        _abandon(response, in_flight, None)
+    if client_slot is not None:
+        client_slot.release()
+
+
+class MergedStream:
+    """The body of a streamed answer to a list of prompts: their decodes' streams, merged as
+    vLLM merges them (``prompt_list.StreamMerge``).
+
+    Each decode is read as its bytes arrive, one read in flight per decode, owned here: ended
+    with the stream, or cancelled and awaited by ``aclose()``. A decode that fails mid-stream
+    ends the whole stream with one error event, as in ``DecodeStream``; every other decode is
+    then closed, so vLLM aborts its request. The client's slot, the finalizer and the end of
+    the stream work as in ``DecodeStream``.
+    """
+
+    def __init__(
+        self, backends: Backends, legs: list[OpenDecode], ctx: RequestContext, merge: StreamMerge
+    ) -> None:
+        self._backends = backends
+        self._legs = legs
+        self._ctx = ctx
+        self._merge = merge
+        self._open = set(range(len(legs)))  # decodes whose stream has not ended
+        self._reads: dict[int, asyncio.Task[bytes]] = {}
+        self._first_byte_seen = False
+        self._finished = False
+        if ctx.client_slot is not None:
+            ctx.client_slot.hand_over()
+        self._close = weakref.finalize(
+            self,
+            _abandon_all,
+            [(leg.response, leg.in_flight) for leg in legs],
+            ctx.client_slot,
+        )
+
+    def __aiter__(self) -> MergedStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._finished:
+            if not self._open:
+                await self._finish()
+                return self._merge.finish()
+            for i in self._open - self._reads.keys():
+                self._reads[i] = asyncio.create_task(self._legs[i].response.content.readany())
+            done, _ = await asyncio.wait(self._reads.values(), return_when=asyncio.FIRST_COMPLETED)
+            i = min(i for i, task in self._reads.items() if task in done)
+            leg = self._legs[i]
+            try:
+                chunk = self._reads.pop(i).result()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                failure = classify(e, "decode", leg.backend.url, leg.deadline)
+                if failure is None:
+                    raise
+                self._backends.record_failure(leg.pool, leg.backend, failure)
+                logger.warning("%s stream cut: %s", self._ctx.request_id, failure.message)
+                await self._finish()
+                # StreamMerge passes whole events only: no event is left cut in its middle.
+                return rewrite.sse_error_event(failure.message, failure.kind.value)
+            if not chunk:
+                self._open.discard(i)
+                leg.response.release()  # fully read: the connection may be reused
+                leg.in_flight.release()
+                continue
+            if not self._first_byte_seen:
+                self._first_byte_seen = True
+                self._backends.metrics.first_decode_byte_seconds.observe(
+                    time.monotonic() - self._ctx.started_s
+                )
+            out = self._merge.feed(i, chunk)
+            if self._merge.failed:  # vLLM's own error event: the answer ends there
+                await self._finish()
+                return out + self._merge.finish()
+            if out:
+                return out
+        raise StopAsyncIteration
+
+    async def _finish(self) -> None:
+        self._finished = True
+        reads = list(self._reads.values())
+        self._reads.clear()
+        for task in reads:
+            task.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
+        self._close()
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            logger.info(
+                "%s client went away mid-stream; closing the decode streams", self._ctx.request_id
+            )
+        await self._finish()

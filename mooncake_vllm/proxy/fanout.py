@@ -1,0 +1,139 @@
+"""A completion with several prompts: a prefill leg per distinct prompt, a decode request per
+prompt, all at once, and one answer merged from theirs (``prompt_list``).
+
+Every request of the list succeeds or the client gets the first failure (lowest prompt index
+among those failed when it is seen) with its status and error body, as from a single prompt;
+the other legs are cancelled then, and their open decode answers closed, so vLLM aborts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from quart import Response
+
+from mooncake_vllm.proxy import legs, prompt_list, rewrite
+from mooncake_vllm.proxy.errors import ProxyError
+from mooncake_vllm.proxy.failover import Backends, RequestContext
+from mooncake_vllm.proxy.legs import OpenDecode
+from mooncake_vllm.proxy.prefix import prefix_key
+from mooncake_vllm.proxy.routing import Policy
+from mooncake_vllm.proxy.stream import MergedStream
+
+logger = logging.getLogger("mooncake_vllm.proxy")
+
+T = TypeVar("T")
+
+
+async def generate_each_prompt(
+    backends: Backends, ctx: RequestContext, body: dict[str, Any], prompts: list[Any]
+) -> Response:
+    """Serve ``body``, whose ``prompt`` is the list ``prompts``, prompt by prompt."""
+    plan = prompt_list.plan(prompts)
+    bodies = [prompt_list.body_for(body, prompt) for prompt in plan.distinct]
+    contexts = [_context_for(backends, ctx, b) for b in bodies]
+    prefills = [
+        asyncio.create_task(legs.prefill(backends, c, b))
+        for c, b in zip(contexts, bodies, strict=True)
+    ]
+    logger.info("%s: %d prompts, %d prefill legs", ctx.request_id, len(prompts), len(plan.distinct))
+    stream = rewrite.wants_stream(body)
+    try:
+        # Each prompt's decode opens as soon as its own prefill is done.
+        answers = [
+            _decode(backends, contexts[leg], bodies[leg], prefills[leg], stream)
+            for leg in plan.leg_of
+        ]
+        if not stream:
+            merged = prompt_list.merge_answers(await _all_or_none(answers, lambda _: None))
+            backends.metrics.first_decode_byte_seconds.observe(time.monotonic() - ctx.started_s)
+            return Response(rewrite.encode_json(merged), 200, content_type="application/json")
+        decodes: list[OpenDecode] = await _all_or_none(answers, _close)
+    finally:
+        for task in prefills:  # only left running when a decode failed first
+            task.cancel()
+        await asyncio.gather(*prefills, return_exceptions=True)
+    choices_per_prompt = body.get("n") or 1
+    merge = prompt_list.StreamMerge(len(prompts), choices_per_prompt)
+    response = Response(
+        MergedStream(backends, decodes, ctx, merge), status=200, mimetype="text/event-stream"
+    )
+    response.headers["Cache-Control"] = "no-cache"
+    return response
+
+
+def _context_for(backends: Backends, ctx: RequestContext, body: dict[str, Any]) -> RequestContext:
+    if backends.cfg.policy is Policy.PREFIX:
+        return dataclasses.replace(ctx, prefix_key=prefix_key(body))
+    return ctx
+
+
+async def _decode(
+    backends: Backends,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    prefill: asyncio.Task[legs.PrefillOutcome],
+    stream: bool,
+) -> Any:
+    """One prompt's decode once its prefill is done: its answer parsed (not streamed) or open."""
+    # Shielded: several prompts may wait on one prefill, which only its owner cancels.
+    outcome = await asyncio.shield(prefill)
+    data = rewrite.encode_json(rewrite.build_decode_body(body, outcome.kv_transfer_params))
+    leg = await legs.open_decode(backends, ctx, data)
+    status = leg.response.status
+    if not 200 <= status < 300:
+        raw = await legs.read_decode(backends, leg)
+        if status >= 500:
+            backends.metrics.backend_errors.labels("decode", leg.backend.url, "http_5xx").inc()
+        raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
+    if stream:
+        return leg
+    raw = await legs.read_decode(backends, leg)
+    try:
+        answer = rewrite.decode_json(raw)
+    except ValueError as e:
+        backends.metrics.backend_errors.labels("decode", leg.backend.url, "bad_answer").inc()
+        raise ProxyError.of(
+            502, f"decode backend {leg.backend.url} answered with non-JSON", "backend_error"
+        ) from e
+    if not isinstance(answer, dict):
+        raise ProxyError.of(
+            502, f"decode backend {leg.backend.url} answered with a non-object", "backend_error"
+        )
+    return answer
+
+
+def _close(leg: OpenDecode) -> None:
+    # close(), not release(): vLLM must see the connection go and abort the request.
+    leg.response.close()
+    leg.in_flight.release()
+
+
+async def _all_or_none(
+    coros: list[Coroutine[Any, Any, T]], release: Callable[[T], None]
+) -> list[T]:
+    """The results of ``coros``, run at once, in order; or the first failure.
+
+    On a failure, or when the caller is cancelled, the others are cancelled and awaited, and
+    ``release`` gets each result that was already there.
+    """
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        if not all(t.done() and not t.cancelled() and t.exception() is None for t in tasks):
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for task in tasks:
+                if not task.cancelled() and task.exception() is None:
+                    release(task.result())
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    return [t.result() for t in tasks]
