@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from mooncake_vllm.p2p.protocol import MemSegment
+import msgspec
 
 
 class Region(NamedTuple):
@@ -28,6 +28,30 @@ class Region(NamedTuple):
 
 class PlanError(ValueError):
     pass
+
+
+class MemSegment(msgspec.Struct, frozen=True, array_like=True):
+    """Where block ``b`` of one KV region lives: ``base_addr + b * block_stride``."""
+
+    base_addr: int
+    block_stride: int
+    block_len: int
+
+
+def kv_cache_regions(kv_caches, num_blocks: int) -> tuple[list[MemSegment], dict[int, tuple]]:
+    """Every layer's KV tensor (``name → tensor``, enumerated by name, as every engine does) as
+    memory segments, and the distinct storages behind them (``address → (bytes, a tensor on
+    it)``), which is what a transfer engine registers."""
+    segments: list[MemSegment] = []
+    storages: dict[int, tuple] = {}
+    for name in sorted(kv_caches):
+        t = kv_caches[name]
+        segments += tensor_segments(
+            t.data_ptr(), tuple(t.shape), t.stride(), t.element_size(), num_blocks
+        )
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = (st.nbytes(), t)
+    return segments, storages
 
 
 def tensor_segments(

@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from mooncake_vllm.core.planning import MemSegment
+
 PROTOCOL_VERSION = 1
 
 
@@ -122,14 +124,6 @@ OWNER_BYTES = 16
 
 def _tag(kind: str) -> str:
     return f"{kind}/{FRAME_VERSION}"
-
-
-class MemSegment(msgspec.Struct, frozen=True, array_like=True):
-    """Where block ``b`` of one KV region lives: ``base_addr + b * block_stride``."""
-
-    base_addr: int
-    block_stride: int
-    block_len: int
 
 
 class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):

@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from mooncake_vllm.core.auth import AuthError, host_allowed, open_record, seal_record, short_id
 from mooncake_vllm.core.loads import REPORT_AFTER_S, MooncakeWorkerMeta
 from mooncake_vllm.core.os_threads import make_latency_critical, name_this_thread
-from mooncake_vllm.core.planning import plan_regions, producer_rank_for, tensor_segments
+from mooncake_vllm.core.planning import kv_cache_regions, plan_regions, producer_rank_for
 from mooncake_vllm.core.registry import (
     EngineRecord,
     ServingRecord,
@@ -176,15 +176,8 @@ class WorkerHalf:
     # ---- setup ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        segments: list[MemSegment] = []
-        storages: dict[int, tuple[int, str]] = {}
-        for name in sorted(kv_caches):  # both sides enumerate layers in the same order
-            t = kv_caches[name]
-            segments += tensor_segments(
-                t.data_ptr(), tuple(t.shape), t.stride(), t.element_size(), self._num_blocks
-            )
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = (st.nbytes(), _memory_location(t))
+        segments, tensors = kv_cache_regions(kv_caches, self._num_blocks)
+        storages = {a: (n, _memory_location(t)) for a, (n, t) in tensors.items()}
         self._segments = segments
         self._bytes_per_block = sum(s.block_len for s in segments)
         cfg, s = self._cfg, self._cfg.settings

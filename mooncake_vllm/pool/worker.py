@@ -28,8 +28,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from mooncake_vllm.core.loads import REPORT_AFTER_S, MooncakeWorkerMeta
-from mooncake_vllm.core.planning import tensor_segments
-from mooncake_vllm.p2p.protocol import MemSegment
+from mooncake_vllm.core.planning import MemSegment, kv_cache_regions
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, key_rank
 from mooncake_vllm.pool.stats import PoolStats
@@ -101,15 +100,8 @@ class PoolWorkerHalf:
     # ---- setup ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        segments: list[MemSegment] = []
-        storages: dict[int, int] = {}
-        for name in sorted(kv_caches):  # every instance enumerates layers in the same order
-            t = kv_caches[name]
-            segments += tensor_segments(
-                t.data_ptr(), tuple(t.shape), t.stride(), t.element_size(), self._num_blocks
-            )
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
+        segments, tensors = kv_cache_regions(kv_caches, self._num_blocks)
+        storages = {addr: nbytes for addr, (nbytes, _) in tensors.items()}
         self._segments = segments
         self._block_bytes = sum(s.block_len for s in segments)
         s = self._settings
