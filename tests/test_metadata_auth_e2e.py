@@ -267,6 +267,8 @@ async def test_redis_password_in_the_url_still_works(redis_tls, files):
         ("another CA", "did not verify: set metadata_auth.ca_file"),
         (
             "no client certificate",
+            # The alert, or (TLS 1.3, a busy host) the hang-up after the handshake.
+            "a client certificate signed by its CA, set metadata_auth.cert_file|"
             "wants a client certificate signed by its CA: set metadata_auth.cert_file",
         ),
     ],
@@ -296,7 +298,7 @@ async def test_redis_refuses_wrong_or_missing_credentials(redis_tls, files, case
         _assert_no_secret(message)
     else:
         message = await _refusal(target, auth)
-    assert expected in message
+    assert any(e in message for e in expected.split("|")), message
 
 
 # ---- http ---------------------------------------------------------------------------------------

@@ -374,11 +374,23 @@ def _b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
 
-def _connection_hint(error: BaseException, tls_scheme: str | None = None) -> str:
+_HUNG_UP = ("Server disconnected", "Connection reset", "Connection closed")
+
+
+def _connection_hint(
+    error: BaseException, tls_scheme: str | None = None, no_client_cert: bool = False
+) -> str:
     """What to fix for a TLS failure (appended to the error), or "". ``tls_scheme``: the
-    target is plain, and this is its TLS form (a TLS server hangs up on a plain client)."""
-    if tls_scheme and any(s in str(error) for s in ("Server disconnected", "Connection reset")):
+    target is plain, and this is its TLS form (a TLS server hangs up on a plain client).
+    ``no_client_cert``: a TLS target and no client certificate configured; under TLS 1.3 a
+    server that requires one may hang up after the handshake instead of sending its alert."""
+    if tls_scheme and any(s in str(error) for s in _HUNG_UP):
         return f"; if the server speaks TLS on this port, use '{tls_scheme}'"
+    if no_client_cert and any(s in str(error) for s in _HUNG_UP):
+        return (
+            "; the server hung up after the TLS handshake: if it wants a client certificate "
+            "signed by its CA, set metadata_auth.cert_file and key_file"
+        )
     text = str(error).upper()
     if "CERTIFICATE_VERIFY_FAILED" in text:
         return (
@@ -575,6 +587,7 @@ class RedisStore:
         import redis.asyncio as aioredis
 
         auth = auth or MetadataAuth()
+        self._cert = bool(auth.cert_file)
         self._url = redact_url(url)  # what errors show
         options: dict = {"socket_timeout": 3, "socket_connect_timeout": 3}
         self._logs_in = bool(auth.password_file or auth.password_env or url_has_credentials(url))
@@ -613,7 +626,8 @@ class RedisStore:
         except ValueError as e:  # a password file or variable that went away since startup
             raise StoreAuthError(f"redis {self._url} {what}: {e}") from e
         except (redis.exceptions.RedisError, OSError) as e:
-            hint = _connection_hint(e, None if self._url.startswith("rediss://") else "rediss://")
+            tls = self._url.startswith("rediss://")
+            hint = _connection_hint(e, None if tls else "rediss://", tls and not self._cert)
             cls = StoreAuthError if hint and self._url.startswith("rediss://") else StoreUnavailable
             raise cls(f"redis {self._url} {what}: {type(e).__name__}: {e}{hint}") from e
 
