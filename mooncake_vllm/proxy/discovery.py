@@ -161,7 +161,10 @@ class RegistryFollower:
                     self._backends.metrics.declare_backends(role, [url])
                     logger.info("%s backend %s joined (engine %s)", role, url, engine_id)
             for url in self._discovered[role] - urls.keys():
-                pool.remove(url)
+                gone = pool.remove(url)
                 self._discovered[role].discard(url)
-                logger.info("%s backend %s left (its registry record is gone)", role, url)
+                # Its engine has stopped: calls still waiting for it will get no answer.
+                resent = self._backends.abandon(gone) if gone is not None else 0
+                logger.info("%s backend %s left (its registry record is gone); %d waiting "
+                            "calls sent elsewhere", role, url, resent)  # fmt: skip
         self.rounds += 1

@@ -18,6 +18,7 @@ import aiohttp
 
 from mooncake_vllm.proxy import rewrite
 from mooncake_vllm.proxy.config import ProxyConfig
+from mooncake_vllm.proxy.drain import BackendDraining
 
 
 class ProxyError(Exception):
@@ -58,6 +59,7 @@ class FailureKind(str, enum.Enum):
     CONNECT = "connect"  # no connection was opened: the backend never saw the request
     DISCONNECT = "disconnect"  # the connection broke after the request may have been sent
     TIMEOUT = "timeout"  # our deadline passed; the backend may just be busy
+    DRAINING = "draining"  # it is shutting down and refused the request without acting on it
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ def classify(
     exc: BaseException, leg: str, url: str, deadline: LegDeadline
 ) -> BackendFailure | None:
     """What an exception from a backend call means, or None when it is not a backend failure."""
+    if isinstance(exc, BackendDraining):
+        return BackendFailure(FailureKind.DRAINING, str(exc))
     # ConnectionTimeoutError is also an asyncio.TimeoutError: test it first.
     if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
         return BackendFailure(FailureKind.CONNECT, f"cannot connect to {leg} backend {url}: {exc}")

@@ -2,13 +2,15 @@
 
 ``Backends.call`` is what happens when a backend fails: it picks a healthy backend of the pool,
 gives the call the leg's deadline, counts it in flight, classifies an exception (``errors``), and
-retries once on another backend when that backend cannot have acted on the request, or when
-the call is safe to repeat. The prefill leg, ``GET /v1/models`` (``Backends.read_whole``) and the
-decode leg up to its status line all go through it.
+retries once on another backend when that backend cannot have acted on the request (it could not
+be reached, or it refused the request because it is shutting down: ``drain``), or when the call
+is safe to repeat. The prefill leg, ``GET /v1/models`` (``Backends.read_whole``) and the decode
+leg up to its first token all go through it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -17,6 +19,7 @@ from typing import Generic, TypeVar
 
 import aiohttp
 
+from mooncake_vllm.proxy import drain
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.errors import (
     BackendFailure,
@@ -122,6 +125,9 @@ class Backends:
         for role, pool in self.pools.items():
             metrics.declare_backends(role, [b.url for b in pool.backends])
         self._session: aiohttp.ClientSession | None = None
+        # The calls waiting for each backend's answer, and those ``abandon`` cancelled.
+        self._waiting: dict[Backend, set[asyncio.Task]] = {}
+        self._abandoned: set[asyncio.Task] = set()
 
     # ---- the session (before_serving / after_serving) -------------------------------------------
 
@@ -157,10 +163,59 @@ class Backends:
         logger.warning("%s backend %s ejected: %s", pool.role, backend.url, reason)
 
     def record_failure(self, pool: BackendPool, backend: Backend, failure: BackendFailure) -> None:
-        """Count a failed call; a connection failure also ejects the backend, a late answer not."""
+        """Count a failed call; a connection failure also ejects the backend, a late answer not,
+        and a refusal because it is shutting down keeps it out until it has restarted."""
         self.metrics.backend_errors.labels(pool.role, backend.url, failure.kind.value).inc()
-        if failure.kind is not FailureKind.TIMEOUT and pool.eject(backend, failure.message):
+        if failure.kind is FailureKind.TIMEOUT:
+            return
+        if failure.kind is FailureKind.DRAINING:
+            ejected = pool.drain(backend, failure.message)
+        else:
+            ejected = pool.eject(backend, failure.message)
+        if ejected:
             self.report_ejection(pool, backend, failure.message)
+
+    def abandon(self, backend: Backend) -> int:
+        """``backend`` has left its pool because its engine stopped (discovery: its registry
+        record was deleted). The calls still waiting for its answer are sent to other backends;
+        returns how many.
+
+        A vLLM deletes its record once it has drained, so it runs nothing then: a call still
+        waiting was accepted by an API server whose engine is gone, and vLLM 0.32 answers it
+        only when the client gives up (``drain``)."""
+        waiting = self._waiting.pop(backend, set())
+        for task in waiting:
+            self._abandoned.add(task)
+            task.cancel()
+        return len(waiting)
+
+    async def _answer(
+        self,
+        backend: Backend,
+        call: Awaitable[T],
+        role: str,
+        discard: Callable[[T], object] | None,
+    ) -> T:
+        """``call``'s result, run as a task ``abandon`` can cancel; an abandoned call raises
+        ``drain.BackendDraining``. A result that arrives as the caller is cancelled goes to
+        ``discard``."""
+        task = asyncio.ensure_future(call)
+        waiting = self._waiting.setdefault(backend, set())
+        waiting.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task not in self._abandoned:  # the caller was cancelled (the client went away)
+                answered = task.done() and not task.cancelled() and task.exception() is None
+                if answered and discard is not None:
+                    discard(task.result())
+                raise
+            raise drain.BackendDraining(role, backend.url, drain.LEFT) from None
+        finally:
+            waiting.discard(task)
+            self._abandoned.discard(task)
+            if not waiting and self._waiting.get(backend) is waiting:
+                del self._waiting[backend]
 
     # ---- one call, with failover ----------------------------------------------------------------
 
@@ -171,14 +226,19 @@ class Backends:
         send: Callable[[Backend, LegDeadline], Awaitable[T]],
         *,
         repeatable: bool,
+        discard: Callable[[T], object] | None = None,
     ) -> Attempt[T]:
         """``send(backend, deadline)`` to a healthy backend of the ``role`` pool, failing over once.
 
         A connection that was never opened is retried on another backend: that backend never
-        saw the request. One that broke later is retried only when the call is ``repeatable``.
-        A missed deadline is never retried (504): the backend may just be busy. Each failure is
-        counted, and a connection failure ejects the backend. Raises ProxyError: 502 when the
-        backends failed, 503 when the pool had no healthy backend to begin with.
+        saw the request; so is a request the backend refused because it is shutting down
+        (``send`` raised ``drain.BackendDraining``), or one still waiting for a backend that has
+        left its pool (``abandon``). One that broke later is retried only when
+        the call is ``repeatable``. A missed deadline is never retried (504): the backend may
+        just be busy. Each failure is counted, and a connection failure or a refusal ejects the
+        backend. Raises ProxyError: 502 when the backends failed, 503 when the pool had no
+        healthy backend to begin with. ``discard`` gets an answer that arrives as the call is
+        cancelled (an open response to close).
         """
         pool = self.pools[role]
         tried: list[Backend] = []
@@ -188,7 +248,7 @@ class Backends:
             deadline = LegDeadline.of(self.cfg, ctx.started_s, prefill=pool.role == "prefill")
             in_flight = InFlight(pool, backend, self.metrics)
             try:
-                answer = await send(backend, deadline)
+                answer = await self._answer(backend, send(backend, deadline), pool.role, discard)
             except BaseException as e:  # a cancelled call gives its in-flight count back too
                 in_flight.release()
                 failure = classify(e, pool.role, backend.url, deadline)
@@ -197,7 +257,8 @@ class Backends:
                 self.record_failure(pool, backend, failure)
                 if failure.kind is FailureKind.TIMEOUT:
                     raise ProxyError.of(504, failure.message, "timeout") from e
-                if failure.kind is not FailureKind.CONNECT and not repeatable:
+                untouched = failure.kind in (FailureKind.CONNECT, FailureKind.DRAINING)
+                if not untouched and not repeatable:
                     raise ProxyError.of(502, failure.message, "backend_error") from e
                 logger.warning("%s %s", ctx.request_id, failure.message)
                 tried.append(backend)
@@ -211,7 +272,7 @@ class Backends:
         self, role: str, ctx: RequestContext, method: str, data: bytes | None = None
     ) -> Attempt[Reply]:
         """One short, repeatable call to ``ctx.path`` on the ``role`` pool, read whole; ``data``:
-        a JSON body."""
+        a JSON body (a generation: a draining backend's refusal of it is retried elsewhere)."""
 
         async def send(backend: Backend, deadline: LegDeadline) -> Reply:
             sent_s = time.monotonic()
@@ -224,7 +285,10 @@ class Backends:
             ) as resp:
                 raw = await resp.read()
                 content_type = resp.headers.get("Content-Type", "application/json")
-                return Reply(resp.status, raw, content_type, time.monotonic() - sent_s)
+            why = drain.refusal(resp.status, raw) if data is not None else None
+            if why is not None:
+                raise drain.BackendDraining(role, backend.url, why)
+            return Reply(resp.status, raw, content_type, time.monotonic() - sent_s)
 
         attempt = await self.call(role, ctx, send, repeatable=True)
         attempt.in_flight.release()  # the answer is read: the backend is done with it

@@ -2,8 +2,9 @@
 
 - ``prefill``: asks a prefill for one token and the handoff (``kv_transfer_params``) to its KV;
   safe to repeat, so a broken connection is retried on another prefill.
-- ``open_decode``: sends the client's request with that handoff to a decode and waits for the
-  status line; the body is then read whole (``read_decode``) or streamed (``stream.DecodeStream``).
+- ``open_decode``: sends the client's request with that handoff to a decode and reads its answer
+  up to the first token (a draining decode's refusal is sent to another decode, ``drain``); the
+  body is then read whole (``read_decode``) or streamed (``stream.DecodeStream``).
 
 Both go through ``Backends.call`` (``failover``), which picks the backend and handles failures.
 """
@@ -17,15 +18,15 @@ from typing import Any
 
 import aiohttp
 
-from mooncake_vllm.proxy import rewrite
+from mooncake_vllm.proxy import drain, rewrite
 from mooncake_vllm.proxy.errors import FailureKind, LegDeadline, ProxyError, classify
 from mooncake_vllm.proxy.failover import Attempt, Backends, InFlight, Reply, RequestContext
 from mooncake_vllm.proxy.routing import Backend, BackendPool
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 
-# Largest error body read from a backend.
-_MAX_ERROR_BODY_BYTES = 64 * 1024
+# Largest error body read from a backend (``drain.read_head`` has read its start).
+_MAX_ERROR_BODY_BYTES = drain.MAX_HEAD_BYTES
 
 
 # ---- the prefill leg ----------------------------------------------------------------------------
@@ -93,36 +94,59 @@ def _prefill_outcome(
 # ---- the decode leg -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class OpenDecode:
-    """A decode answer whose status line has arrived; the body is still unread."""
+    """A decode answer read up to its first token (``drain.read_head``); the rest is unread."""
 
     pool: BackendPool
     backend: Backend
     response: aiohttp.ClientResponse
     in_flight: InFlight
     deadline: LegDeadline
+    # What was read to tell the answer from a draining decode's refusal: a stream up to its
+    # first token, an error body's start (a whole 2xx answer stays in ``response``). Readers
+    # of the body pass it on first (``read_chunk``, ``read_decode``).
+    head: bytes = b""
+
+    async def read_chunk(self) -> bytes:
+        """The body's next bytes as they arrive, the head first; b"" at its end."""
+        if self.head:
+            head, self.head = self.head, b""
+            return head
+        return await self.response.content.readany()
 
 
 async def open_decode(backends: Backends, ctx: RequestContext, body: bytes) -> OpenDecode:
-    """Send the decode leg (JSON ``body``) and wait for its status line; the caller owns the result.
+    """Send the decode leg (JSON ``body``) and read its answer up to the first token; the caller
+    owns the result.
 
-    Only a connection that was never opened is retried on another decode: once the decode
-    has the request it may already be pulling the KV, and a transfer id is used once.
+    Only a connection that was never opened, or a refusal by a draining decode, is retried on
+    another decode: that decode did not act on the request. Once a decode has the request it
+    may already be pulling the KV, and a transfer id is used once.
     """
 
-    async def send(backend: Backend, deadline: LegDeadline) -> aiohttp.ClientResponse:
-        return await backends.session.post(
+    async def send(backend: Backend, deadline: LegDeadline) -> tuple[aiohttp.ClientResponse, bytes]:
+        resp = await backends.session.post(
             backend.url + ctx.path,
             data=body,
             headers=ctx.headers_for(backend, json_body=True),
             timeout=backends.timeout(deadline.timeout_s),
         )
+        try:
+            return resp, await drain.read_head(resp, "decode", backend.url)
+        except BaseException:
+            resp.close()
+            raise
 
-    attempt = await backends.call("decode", ctx, send, repeatable=False)
-    resp = attempt.answer
+    def close(answer: tuple[aiohttp.ClientResponse, bytes]) -> None:
+        answer[0].close()  # vLLM sees the connection go and aborts the request
+
+    attempt = await backends.call("decode", ctx, send, repeatable=False, discard=close)
+    resp, head = attempt.answer
     logger.info("%s decode %s -> %d", ctx.request_id, attempt.backend.url, resp.status)
-    return OpenDecode(attempt.pool, attempt.backend, resp, attempt.in_flight, attempt.deadline)
+    return OpenDecode(
+        attempt.pool, attempt.backend, resp, attempt.in_flight, attempt.deadline, head
+    )
 
 
 async def read_decode(backends: Backends, leg: OpenDecode) -> bytes:
@@ -130,9 +154,9 @@ async def read_decode(backends: Backends, leg: OpenDecode) -> bytes:
     limit = None if 200 <= leg.response.status < 300 else _MAX_ERROR_BODY_BYTES
     try:
         if limit is None:
-            raw = await leg.response.read()
+            raw = leg.head + await leg.response.read()
         else:
-            raw = await leg.response.content.read(limit)
+            raw = leg.head + await leg.response.content.read(limit - len(leg.head))
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         failure = classify(e, "decode", leg.backend.url, leg.deadline)
         if failure is None:

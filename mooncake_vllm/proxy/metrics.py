@@ -42,7 +42,8 @@ class ProxyMetrics:
         )
         self.backend_errors = Counter(
             "mooncake_proxy_backend_errors",
-            "Failed backend calls by kind: connect, disconnect, timeout, http_5xx, bad_answer.",
+            "Failed backend calls by kind: connect, disconnect, timeout, http_5xx, bad_answer, "
+            "draining (refused because it is shutting down; sent to another backend).",
             ["role", "backend", "kind"],
             registry=self.registry,
         )

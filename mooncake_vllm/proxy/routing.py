@@ -8,11 +8,15 @@ Health lifecycle of one backend::
 
     healthy --request or probe failed, or 3 late probes--> ejected --probe ok--> healthy
                                          ejected --probe failed--> ejected, next probe later
+    healthy --refused a request: shutting down--> draining --probe failed--> ejected
+                    draining --probe ok, DRAIN_RECHECK_S after its last refusal--> healthy
 
 A backend starts healthy, so requests arriving before the first probe are served; the first
 probe is due at once, so a backend that is down at startup is ejected within one probe.
 Ejected backends are re-probed after ``Backoff.delay_s(consecutive_failures)``; healthy ones
-every ``probe_interval_s``.
+every ``probe_interval_s``. A draining backend (``drain``) still answers ``/health`` with 200
+while it finishes its requests, so a passing probe does not bring it back: one that fails
+(it exited) does, once a later probe passes (it restarted).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from mooncake_vllm.proxy import prefix
 
 # Late health probes in a row before a healthy backend is ejected (see probe_timed_out).
 SLOW_PROBES_TO_EJECT = 3
+# A draining backend whose probes keep passing is tried again this long after its last refusal:
+# one that refuses without ever going away costs a retried leg this often, no more.
+DRAIN_RECHECK_S = 10.0
 
 
 class Policy(str, enum.Enum):
@@ -74,6 +81,9 @@ class Backend:
     # May see the client's Authorization and $OPENAI_API_KEY: a --prefill/--decode backend, or a
     # discovered one whose registry record verified under the shared secret.
     trusted: bool = True
+    # When it last refused a request because it is shutting down (on the pool's clock); None:
+    # not draining, or seen gone since.
+    draining_since_s: float | None = None
 
     def snapshot(self, now_s: float) -> dict[str, Any]:
         return {
@@ -84,6 +94,7 @@ class Backend:
             "last_error": self.last_error,
             "next_probe_in_s": round(max(self.next_probe_at_s - now_s, 0.0), 3),
             "trusted": self.trusted,
+            "draining": self.draining_since_s is not None,
         }
 
 
@@ -197,8 +208,22 @@ class BackendPool:
         backend.next_probe_at_s = self._clock() + self.backoff.delay_s(1)
         return True
 
+    def drain(self, backend: Backend, reason: str) -> bool:
+        """``backend`` refused a request because it is shutting down (a draining vLLM). True
+        when this took a healthy backend out of rotation.
+
+        It stays out while its probes pass (it answers ``/health`` while it drains): until a
+        probe fails (it exited; the next passing probe is its restart) or, for one that never
+        goes away, until ``DRAIN_RECHECK_S`` after its last refusal."""
+        backend.draining_since_s = self._clock()
+        return self.eject(backend, reason)
+
     def probe_failed(self, backend: Backend, reason: str) -> bool:
         """A health probe failed. True when this ejected a healthy backend."""
+        backend.draining_since_s = None  # it went away: a probe that passes later is its restart
+        return self._failed_probe(backend, reason)
+
+    def _failed_probe(self, backend: Backend, reason: str) -> bool:
         if backend.healthy:
             return self.eject(backend, reason)
         backend.last_error = reason
@@ -214,7 +239,7 @@ class BackendPool:
         healthy backend is only ejected after ``SLOW_PROBES_TO_EJECT`` late probes in a row
         (requests to a backend that truly hangs meet their own timeout meanwhile)."""
         if not backend.healthy:
-            return self.probe_failed(backend, reason)
+            return self._failed_probe(backend, reason)  # a late answer: it may still be draining
         backend.last_error = reason
         backend.consecutive_failures += 1
         if backend.consecutive_failures >= SLOW_PROBES_TO_EJECT:
@@ -224,12 +249,18 @@ class BackendPool:
 
     def probe_ok(self, backend: Backend) -> bool:
         """A health probe succeeded. True when this brought an ejected backend back."""
+        now_s = self._clock()
+        if backend.draining_since_s is not None:
+            if now_s - backend.draining_since_s < DRAIN_RECHECK_S:
+                backend.next_probe_at_s = now_s + self.probe_interval_s  # to see it go
+                return False
+            backend.draining_since_s = None
         came_back = not backend.healthy
         backend.healthy = True
         backend.joining = False
         backend.consecutive_failures = 0
         backend.last_error = None
-        backend.next_probe_at_s = self._clock() + self.probe_interval_s
+        backend.next_probe_at_s = now_s + self.probe_interval_s
         return came_back
 
     def due_for_probe(self) -> list[Backend]:

@@ -63,7 +63,7 @@ class DecodeStream:
             raise StopAsyncIteration
         leg = self._leg
         try:
-            chunk = await leg.response.content.readany()
+            chunk = await leg.read_chunk()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             failure = classify(e, "decode", leg.backend.url, leg.deadline)
             if failure is None:
@@ -149,7 +149,7 @@ class MergedStream:
                 await self._finish()
                 return self._merge.finish()
             for i in self._open - self._reads.keys():
-                self._reads[i] = asyncio.create_task(self._legs[i].response.content.readany())
+                self._reads[i] = asyncio.create_task(self._legs[i].read_chunk())
             done, _ = await asyncio.wait(self._reads.values(), return_when=asyncio.FIRST_COMPLETED)
             i = min(i for i, task in self._reads.items() if task in done)
             leg = self._legs[i]

@@ -1,0 +1,359 @@
+"""A backend that is shutting down (vLLM's ``--shutdown-timeout`` drain): how the proxy tells its
+refusals apart, keeps it out of rotation until it has restarted, and sends the leg elsewhere.
+
+The refusals below are what a draining vLLM 0.32 answers (``mooncake_vllm/proxy/drain.py``; seen
+in ``test_xpyd_e2e``'s rolling restart): while its engine drains, HTTP 200 with every choice
+finished by ``"abort"`` and no token (a stream: ``[DONE]`` alone); once its engine has exited,
+HTTP 500 with vLLM's EngineDeadError message. The proxy runs in this process against small
+aiohttp fakes; no vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.servers import free_port
+from mooncake_vllm.proxy import drain
+from mooncake_vllm.proxy.config import ProxyConfig
+from mooncake_vllm.proxy.failover import Backends, RequestContext
+from mooncake_vllm.proxy.metrics import ProxyMetrics
+from mooncake_vllm.proxy.routing import DRAIN_RECHECK_S, BackendPool
+from mooncake_vllm.proxy.server import serve
+
+# ---- what a refusal looks like ------------------------------------------------------------------
+
+
+def _answer(*choices: dict[str, Any]) -> dict[str, Any]:
+    return {"id": "cmpl-1", "object": "text_completion", "choices": list(choices)}
+
+
+ABORTED = {"index": 0, "text": "", "finish_reason": "abort"}
+ABORTED_CHAT = {"index": 0, "message": {"role": "assistant", "content": ""},
+                "finish_reason": "abort"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("answer", "is_refusal"),
+    [
+        (_answer(ABORTED), True),
+        (_answer(ABORTED_CHAT), True),
+        (_answer(ABORTED, {**ABORTED, "index": 1}), True),  # n=2 or a prompt list
+        (_answer({**ABORTED, "token_ids": None}), True),
+        (_answer({**ABORTED, "text": " partial"}), False),  # aborted after a token
+        (_answer({**ABORTED, "token_ids": [7]}), False),
+        (_answer({**ABORTED_CHAT, "message": {"content": "hi"}}), False),
+        (_answer({**ABORTED, "finish_reason": "length"}), False),
+        (_answer({**ABORTED, "finish_reason": "stop"}), False),  # an empty answer, but an answer
+        (_answer(ABORTED, {**ABORTED, "index": 1, "finish_reason": "length"}), False),
+        (_answer(), False),
+        ({"object": "list", "data": []}, False),  # /v1/models
+        ([], False),
+    ],
+)
+def test_a_refusal_is_every_choice_aborted_without_output(answer, is_refusal):
+    assert drain.refused(answer) is is_refusal
+    expected = drain.ABORTED if is_refusal else None
+    assert drain.refusal(200, json.dumps(answer).encode()) == expected
+
+
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+ENGINE_DEAD = {
+    "error": {"message": ENGINE_DEAD_MESSAGE, "type": "InternalServerError", "code": 500}
+}
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "why"),
+    [
+        (500, json.dumps(ENGINE_DEAD).encode(), drain.ENGINE_GONE),
+        (500, b'{"error": {"message": "CUDA out of memory", "code": 500}}', None),
+        (503, json.dumps(ENGINE_DEAD).encode(), None),  # not what vLLM answers
+        (400, json.dumps(_answer(ABORTED)).encode(), None),
+        (200, b"<html>bad gateway</html>", None),  # not JSON: the leg reports it as it is
+        (500, b"Internal Server Error", None),
+    ],
+)
+def test_an_exited_engine_is_a_refusal_too(status, body, why):
+    assert drain.refusal(status, body) == why
+
+
+def _sse(*events: Any) -> bytes:
+    return b"".join(
+        b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n"
+        for e in events
+    )
+
+
+ROLE_DELTA = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+TOKEN = {"choices": [{"index": 0, "text": " tok", "finish_reason": None}]}
+ABORT_DELTA = {"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]}
+CONTENT_DELTA = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+
+
+@pytest.mark.parametrize(
+    ("chunks", "head_chunks"),  # head_chunks: how many chunks the head is; None: a refusal
+    [
+        ([_sse(b"[DONE]")], None),  # vLLM: no token event at all
+        ([_sse({"choices": [ABORTED]}, b"[DONE]")], None),
+        ([_sse(ROLE_DELTA), _sse(ABORT_DELTA, b"[DONE]")], None),  # chat
+        ([b""], None),  # ended without an event
+        ([_sse(TOKEN), _sse(TOKEN, b"[DONE]")], 1),
+        ([_sse(ROLE_DELTA), _sse(CONTENT_DELTA), _sse(b"[DONE]")], 2),
+        ([_sse(TOKEN)[:9], _sse(TOKEN)[9:], _sse(b"[DONE]")], 2),  # an event in pieces
+        ([_sse({"error": {"message": "boom"}})], 1),  # vLLM's own error: passed on
+    ],
+)
+async def test_read_head_reads_a_stream_up_to_its_first_token(chunks, head_chunks):
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in chunks:
+            await resp.write(chunk)
+            await asyncio.sleep(0.05)  # each chunk arrives on its own
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/s", stream)
+    async with _serving(app) as url, aiohttp.ClientSession() as http:
+        resp = await http.post(url + "/s")
+        if head_chunks is None:
+            with pytest.raises(drain.BackendDraining, match="shutting down"):
+                await drain.read_head(resp, "decode", url)
+            assert resp.closed
+            return
+        head = await drain.read_head(resp, "decode", url)
+        assert head == b"".join(chunks[:head_chunks])  # no further than the first token
+        assert head + await resp.content.read() == b"".join(chunks)  # nothing lost or added
+
+
+# ---- the pool: out of rotation until it has restarted -------------------------------------------
+
+
+def test_a_draining_backend_stays_out_until_it_has_gone_and_come_back():
+    now = [100.0]
+    pool = BackendPool("prefill", ["http://a:1", "http://b:1"], clock=lambda: now[0])
+    a, _ = pool.backends
+    assert pool.drain(a, "a is shutting down") is True
+    assert pool.drain(a, "a is shutting down") is False  # already out
+    assert a.snapshot(now[0])["draining"] and not a.healthy
+    assert [pool.pick().url for _ in range(3)] == ["http://b:1"] * 3
+    for _ in range(5):  # it still answers /health while it drains: it stays out
+        now[0] += 1.0
+        assert pool.probe_ok(a) is False and not a.healthy
+    assert pool.probe_timed_out(a, "late") is False and a.draining_since_s is not None
+    assert pool.probe_failed(a, "connection refused") is False  # it exited
+    assert not a.snapshot(now[0])["draining"]
+    now[0] += 1.0
+    assert pool.probe_ok(a) is True and a.healthy  # its restart
+    assert {pool.pick().url for _ in range(2)} == {"http://a:1", "http://b:1"}
+
+
+def test_a_backend_that_refuses_without_going_away_is_retried_now_and_then():
+    now = [0.0]
+    pool = BackendPool("decode", ["http://a:1"], clock=lambda: now[0])
+    (a,) = pool.backends
+    pool.drain(a, "refused")
+    now[0] += DRAIN_RECHECK_S - 0.5
+    assert pool.probe_ok(a) is False
+    pool.drain(a, "refused again")  # a refusal restarts the wait
+    now[0] += DRAIN_RECHECK_S - 0.5
+    assert pool.probe_ok(a) is False
+    now[0] += 1.0
+    assert pool.probe_ok(a) is True and a.healthy and a.draining_since_s is None
+
+
+# ---- the proxy sends the leg elsewhere ----------------------------------------------------------
+
+HANDOFF = {"do_remote_prefill": True, "transfer_id": "t-1", "remote_block_ids": [1, 2]}
+
+
+@dataclass(eq=False)
+class Fake:
+    """A vLLM-shaped backend; ``refuses``: answers every generation as a vLLM that is shutting
+    down does, while its engine drains (``"abort"``) or once it has exited (``"engine_dead"``)."""
+
+    role: str
+    refuses: str | None = None
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({})  # 200, draining or not: vLLM's /health while it drains
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(body)
+        stream = body.get("stream")
+        if self.refuses == "engine_dead":
+            return web.json_response(ENGINE_DEAD, status=500)
+        if self.refuses == "abort":
+            if stream:
+                return web.Response(body=_sse(b"[DONE]"), content_type="text/event-stream")
+            usage = {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+            return web.json_response({**_answer(ABORTED), "usage": usage})
+        if stream:
+            return web.Response(body=_sse(TOKEN, TOKEN, b"[DONE]"),
+                                content_type="text/event-stream")  # fmt: skip
+        answer = _answer({"index": 0, "text": " hello", "finish_reason": "length"})
+        if self.role == "prefill":
+            answer["kv_transfer_params"] = HANDOFF
+        return web.json_response(answer)
+
+
+class _serving:
+    """``async with _serving(app) as url``: an aiohttp app on a free loopback port."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+
+    async def __aenter__(self) -> str:
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._runner.cleanup()
+
+
+async def _proxy(prefills: list[str], decodes: list[str]):
+    cfg = ProxyConfig(port=free_port(), prefill=prefills, decode=decodes, health_interval_s=0.2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(cfg, shutdown_trigger=stop.wait))
+    url = f"http://127.0.0.1:{cfg.port}"
+    async with aiohttp.ClientSession() as http:
+        for _ in range(200):
+            try:
+                async with http.get(url + "/health"):
+                    break
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.05)
+    return url, stop, task
+
+
+async def _complete(http: aiohttp.ClientSession, url: str, stream: bool) -> str:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream}
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.text()
+
+
+@pytest.mark.parametrize("refuses", ["abort", "engine_dead"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_a_draining_backend_is_taken_out_at_once_and_no_request_fails(role, refuses):
+    fakes = {r: [Fake(r, refuses if r == role else None), Fake(r)] for r in ("prefill", "decode")}
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {r: [await stack.enter_async_context(_serving(f.app())) for f in fakes[r]]
+                for r in fakes}  # fmt: skip
+        proxy, stop, task = await _proxy(urls["prefill"], urls["decode"])
+        try:
+            async with aiohttp.ClientSession() as http:
+                answers = [await _complete(http, proxy, stream=i % 2 == 1) for i in range(8)]
+                async with http.get(proxy + "/health") as resp:
+                    health = await resp.json()
+                async with http.get(proxy + "/metrics") as resp:
+                    metrics = await resp.text()
+                await asyncio.sleep(1.0)  # five probe rounds: /health says 200 all along
+                async with http.get(proxy + "/health") as resp:
+                    later = await resp.json()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+    draining, other = fakes[role]
+    assert all("hello" in a or "tok" in a for a in answers)
+    assert len(draining.seen) == 1, "the draining backend got a request after it refused one"
+    assert len(other.seen) == 8
+    if role == "decode":  # the decode leg went elsewhere with the handoff nobody had used
+        assert draining.seen[0]["kv_transfer_params"] == other.seen[0]["kv_transfer_params"]
+    for report in (health, later):
+        state = {b["url"]: (b["healthy"], b["draining"]) for b in report[role]}
+        assert state == {urls[role][0]: (False, True), urls[role][1]: (True, False)}
+    refusals = {
+        (s.labels["role"], s.labels["backend"], s.labels["kind"]): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "mooncake_proxy_backend_errors_total"
+    }
+    assert refusals == {(role, urls[role][0], "draining"): 1.0}
+
+
+# ---- calls waiting on a backend that has left ---------------------------------------------------
+
+
+async def _until(check, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met"
+        await asyncio.sleep(0.01)
+
+
+def _backends() -> Backends:
+    cfg = ProxyConfig(prefill=["http://p:1"], decode=["http://a:1", "http://b:1"])
+    return Backends(cfg, ProxyMetrics())
+
+
+def _ctx() -> RequestContext:
+    return RequestContext("r-1", time.monotonic(), "/v1/completions", {}, {})
+
+
+async def test_a_call_waiting_on_a_backend_that_left_goes_to_another_one():
+    backends = _backends()
+    a, b = backends.pools["decode"].backends
+    sent: list[str] = []
+
+    async def send(backend, deadline) -> str:
+        sent.append(backend.url)
+        if backend is a:
+            await asyncio.Event().wait()  # a stopped vLLM's API server that never answers
+        return f"answer from {backend.url}"
+
+    # Not repeatable, as a decode leg: retried all the same, a has not acted on it.
+    call = asyncio.create_task(backends.call("decode", _ctx(), send, repeatable=False))
+    await _until(lambda: sent == [a.url])
+    backends.pools["decode"].remove(a.url)
+    assert backends.abandon(a) == 1
+    attempt = await call
+    assert attempt.answer == f"answer from {b.url}" and attempt.backend is b
+    assert sent == [a.url, b.url]
+    assert backends.abandon(a) == 0  # nothing left waiting on it
+
+
+async def test_a_cancelled_caller_is_not_retried_and_its_late_answer_is_discarded():
+    backends = _backends()
+    a, _ = backends.pools["decode"].backends
+    sent: list[str] = []
+    discarded: list[str] = []
+    answer_now = asyncio.Event()
+
+    async def send(backend, deadline) -> str:
+        sent.append(backend.url)
+        await answer_now.wait()
+        return "an open response"
+
+    call = asyncio.create_task(
+        backends.call("decode", _ctx(), send, repeatable=False, discard=discarded.append)
+    )
+    await _until(lambda: sent == [a.url])
+    answer_now.set()
+    await asyncio.sleep(0)  # the answer has arrived, the call has not resumed yet ...
+    call.cancel()  # ... when the client goes away
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert sent == [a.url]
+    assert discarded == ["an open response"]
+    assert backends.abandon(a) == 0
