@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.servers import ManagedProcess, default_log_dir, free_port
+from harness.servers import ManagedProcess, default_log_dir, free_port, metric_samples
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +43,15 @@ class ProxyServer:
     def pool(self, role: str, healthy_only: bool = False) -> set[str]:
         """URLs in the ``role`` pool (only those in rotation with ``healthy_only``)."""
         return {b["url"] for b in self.health()[role] if b["healthy"] or not healthy_only}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the proxy's ``/metrics``, summed over the series whose labels include
+        ``labels``."""
+        return sum(
+            s.value
+            for s in metric_samples(f"{self.url}/metrics")
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     def wait_for(self, what: str, check: Callable[[], bool], timeout_s: float) -> float:
         """Seconds until ``check()`` holds; AssertionError naming ``what`` at the deadline."""
