@@ -84,20 +84,14 @@ async def generate(
             return await fanout.generate_each_prompt(backends, ctx, body, prompts)
         handoff = (await legs.prefill(backends, ctx, body)).kv_transfer_params
     decode_body = rewrite.decode_body_bytes(raw, body, handoff)
-    leg = await legs.open_decode(backends, ctx, decode_body)
-    status = leg.response.status
-    if not 200 <= status < 300:
-        raw = await legs.read_decode(backends, leg)
-        if status >= 500:
-            backends.metrics.backend_errors.labels("decode", leg.backend.url, "http_5xx").inc()
-        raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
+    leg = await legs.open_decode_ok(backends, ctx, decode_body)
     if not rewrite.wants_stream(body):
         raw = await legs.read_decode(backends, leg)
         backends.metrics.first_decode_byte_seconds.observe(time.monotonic() - ctx.started_s)
         content_type = leg.response.headers.get("Content-Type", "application/json")
-        return Response(raw, status=status, content_type=content_type)
+        return Response(raw, status=leg.response.status, content_type=content_type)
     stream = DecodeStream(backends, leg, ctx)
-    response = Response(stream, status=status, mimetype="text/event-stream")
+    response = Response(stream, status=leg.response.status, mimetype="text/event-stream")
     response.headers["Cache-Control"] = "no-cache"
     return response
 

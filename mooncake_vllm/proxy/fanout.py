@@ -84,13 +84,7 @@ async def _decode(
     # Shielded: several prompts may wait on one prefill, which only its owner cancels.
     outcome = await asyncio.shield(prefill)
     data = rewrite.encode_json(rewrite.build_decode_body(body, outcome.kv_transfer_params))
-    leg = await legs.open_decode(backends, ctx, data)
-    status = leg.response.status
-    if not 200 <= status < 300:
-        raw = await legs.read_decode(backends, leg)
-        if status >= 500:
-            backends.metrics.backend_errors.labels("decode", leg.backend.url, "http_5xx").inc()
-        raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
+    leg = await legs.open_decode_ok(backends, ctx, data)
     if stream:
         return leg
     raw = await legs.read_decode(backends, leg)

@@ -149,6 +149,19 @@ async def open_decode(backends: Backends, ctx: RequestContext, body: bytes) -> O
     )
 
 
+async def open_decode_ok(backends: Backends, ctx: RequestContext, body: bytes) -> OpenDecode:
+    """``open_decode``, and a decode that answered with an error status becomes the client's
+    ``ProxyError`` (its body passed on; a 5xx counted against the backend)."""
+    leg = await open_decode(backends, ctx, body)
+    status = leg.response.status
+    if not 200 <= status < 300:
+        raw = await read_decode(backends, leg)
+        if status >= 500:
+            backends.metrics.backend_errors.labels("decode", leg.backend.url, "http_5xx").inc()
+        raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
+    return leg
+
+
 async def read_decode(backends: Backends, leg: OpenDecode) -> bytes:
     """The whole body of a decode answer; releases the connection whatever happens."""
     limit = None if 200 <= leg.response.status < 300 else _MAX_ERROR_BODY_BYTES
