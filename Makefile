@@ -12,7 +12,7 @@ model: setup
 	@$(PY) -m harness.tiny_model
 
 test: setup
-	$(PY) -m pytest -v -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -v -ra --durations=30 $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -v -m "not servers" $(PYTEST_ARGS)
