@@ -1,6 +1,6 @@
 """The proxy as a real process, and what its ``/health`` says about its pools.
 
-Shared by the discovery and xPyD tests: the proxy runs as ``proxy/proxy_server.py`` (the command a
+Shared by every test that runs the proxy as a user does: ``proxy/proxy_server.py`` (the command a
 user types) in its own process group, logging to a file like every other harness server.
 """
 
@@ -86,3 +86,17 @@ def start_proxy(
     server = ProxyServer(proc, host, port)
     proc.wait_until(lambda: "status" in server.health(), timeout_s, "answering /health")
     return server
+
+
+def start_pair_proxy(prefill_url: str, decode_url: str, timeout_s: float = 60.0) -> ProxyServer:
+    """``proxy_server.py --prefill P --decode D`` in front of one pair, as the README starts it;
+    returned once both backends are in rotation (``/health`` says ``ok``)."""
+    proxy = start_proxy(["--prefill", prefill_url, "--decode", decode_url], timeout_s=timeout_s)
+    try:
+        proxy.wait_for(
+            "both backends in rotation", lambda: proxy.health()["status"] == "ok", timeout_s
+        )
+    except BaseException:
+        proxy.stop()
+        raise
+    return proxy

@@ -26,20 +26,18 @@ import hashlib
 import json
 import math
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from harness import servers
 from harness.pd import eventually
+from harness.xpyd import start_pair_proxy
 
 pytestmark = pytest.mark.servers
 
-REPO = Path(__file__).resolve().parent.parent
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MODES = ("non-stream", "stream")
 # Largest difference allowed between plain's and the pair's log-probabilities (nats). Measured:
@@ -488,19 +486,8 @@ def _assert_same_answer(plain: Seen, pair: Seen) -> None:
 
 @pytest.fixture(scope="module")
 def proxy(cluster):
-    port = servers.free_port()
-    proc = servers.ManagedProcess(
-        "proxy-matrix",
-        [sys.executable, str(REPO / "proxy" / "proxy_server.py"),
-         "--prefill", cluster.prefill.url, "--decode", cluster.decode.url, "--port", str(port)],
-        servers.default_log_dir() / f"proxy-matrix-{port}.log",
-    ).start()  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_until(lambda: servers.http_text(f"{url}/health") != "", 60, "healthy")
-        yield url
-    finally:
-        proc.stop()
+    with servers.running(start_pair_proxy(cluster.prefill.url, cluster.decode.url)) as proxy:
+        yield proxy.url
 
 
 def _pulls(pd) -> float:

@@ -6,36 +6,21 @@ outputs are compared token for token with a plain vLLM.
 
 from __future__ import annotations
 
-import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
 from harness import servers
-from harness.pd import complete, eventually
+from harness.pd import complete, eventually, sse_events, tokens_by_transfer
+from harness.xpyd import start_pair_proxy
 
 pytestmark = pytest.mark.servers
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def proxy(cluster):
-    port = servers.free_port()
-    proc = servers.ManagedProcess(
-        "proxy",
-        [sys.executable, str(REPO / "proxy" / "proxy_server.py"),
-         "--prefill", cluster.prefill.url, "--decode", cluster.decode.url, "--port", str(port)],
-        servers.default_log_dir() / f"proxy-{port}.log",
-    ).start()  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_until(lambda: servers.http_text(f"{url}/health") != "", 60, "healthy")
-        yield url
-    finally:
-        proc.stop()
+    with servers.running(start_pair_proxy(cluster.prefill.url, cluster.decode.url)) as proxy:
+        yield proxy.url
 
 
 def prompt_ids(seed: int, n: int) -> list[int]:
@@ -46,7 +31,7 @@ def prompt_ids(seed: int, n: int) -> list[int]:
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
 async def test_completions_through_the_proxy_equal_plain(pd, proxy, http, stream):
     pulls0 = pd.decode.metric("mooncake_vllm:pulls_total")
-    ext0 = pd.decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    ext0 = tokens_by_transfer(pd.decode)
     lengths = [5, 130, 700, 1300]
     for i, n in enumerate(lengths):
         prompt = prompt_ids(200 + 10 * stream + i, n)
@@ -55,8 +40,7 @@ async def test_completions_through_the_proxy_equal_plain(pd, proxy, http, stream
         got = await complete(http, proxy, {**body, "stream": stream})
         assert got.token_ids == ref.token_ids, f"prompt of {n} tokens"
     await eventually(lambda: pd.decode.metric("mooncake_vllm:pulls_total") - pulls0 == len(lengths))
-    ext = pd.decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    assert ext - ext0 >= sum(lengths) - len(lengths)
+    assert tokens_by_transfer(pd.decode) - ext0 >= sum(lengths) - len(lengths)
 
 
 async def _chat(http, url: str, body: dict) -> str:
@@ -65,11 +49,9 @@ async def _chat(http, url: str, body: dict) -> str:
         if not body.get("stream"):
             return (await resp.json())["choices"][0]["message"]["content"]
         parts = []
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                for choice in json.loads(line[5:]).get("choices", []):
-                    parts.append(choice.get("delta", {}).get("content") or "")
+        async for event in sse_events(resp):
+            for choice in event.get("choices", []):
+                parts.append(choice.get("delta", {}).get("content") or "")
         return "".join(parts)
 
 
