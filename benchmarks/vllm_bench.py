@@ -44,7 +44,7 @@ from typing import Any
 
 from benchmarks import common
 from harness import servers
-from harness.pd import ServerSpec, kv_args, start_many
+from harness.pd import PULL_COUNTERS, ServerSpec, kv_args, mooncake_json, start_many
 from harness.tiny_model import build_tiny_model
 from harness.xpyd import start_proxy
 
@@ -142,11 +142,7 @@ ROW_COLUMNS = (
 
 
 def decode_counters(decode: servers.VllmServer) -> dict[str, float]:
-    totals = decode.metrics()
-    out = {
-        name: totals.get(f"mooncake_vllm:{name}_total", 0.0)
-        for name in ("pulls", "pull_failures", "retries")
-    }
+    out = PULL_COUNTERS.read(decode)
     for source in SOURCES:
         out[source] = decode.metric("vllm:prompt_tokens_by_source_total", source=source)
     return out
@@ -184,18 +180,10 @@ def pair_numbers(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
 
 def start_servers(model: str, workdir: Path, log_dir: Path):
-    cfg = workdir / "mooncake.json"
-    cfg.write_text(
-        json.dumps(
-            {
-                "prefill_url": f"{HOST}:{servers.free_port(HOST)}",
-                "decode_url": f"{HOST}:{servers.free_port(HOST)}",
-                "metadata_server": "P2PHANDSHAKE",
-                "protocol": "tcp",
-                "device_name": "",
-            },
-            indent=2,
-        )
+    cfg = mooncake_json(
+        workdir / "mooncake.json",
+        prefill_url=f"{HOST}:{servers.free_port(HOST)}",
+        decode_url=f"{HOST}:{servers.free_port(HOST)}",
     )
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     specs = [

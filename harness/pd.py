@@ -7,6 +7,7 @@ prefill on 127.0.0.2, decode on 127.0.0.3, TCP transport, P2P-handshake metadata
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -202,9 +203,67 @@ async def two_legs(
     return head, tail
 
 
-def pool_counter(server: VllmServer, name: str) -> float:
-    """One of our pool's counters (``mooncake_vllm:pool_<name>_total``) on ``server``."""
-    return server.metric(f"mooncake_vllm:pool_{name}_total")
+# ---- counters, read as differences ------------------------------------------------------------
+# A counter counts since its server started, and a server serves many tests: a test asserts how far
+# a counter moved around its own requests (``read`` before, ``since`` after), never its value.
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A set of our counters, ``mooncake_vllm:<prefix><name>_total``, by short name."""
+
+    prefix: str
+    names: tuple[str, ...]
+
+    def read(self, server: VllmServer) -> dict[str, float]:
+        """Each counter's value on ``server`` now (0 for one not counted yet)."""
+        totals = server.metrics()
+        return {n: totals.get(f"mooncake_vllm:{self.prefix}{n}_total", 0.0) for n in self.names}
+
+    def since(self, server: VllmServer, before: Mapping[str, float]) -> dict[str, float]:
+        """How far each counter on ``server`` has moved since ``before`` (a ``read`` of it)."""
+        return {n: v - before[n] for n, v in self.read(server).items()}
+
+
+# The P2P connector's pulls on a consumer.
+PULL_COUNTERS = Counters("", ("pulls", "pull_failures", "blocks", "retries", "stalls"))
+# The pool connector's lookups, puts and gets.
+POOL_COUNTERS = Counters(
+    "pool_",
+    (
+        "lookups",
+        "hit_blocks",
+        "miss_blocks",
+        "loads",
+        "get_blocks",
+        "get_bytes",
+        "load_failures",
+        "put_blocks",
+        "put_skipped_blocks",
+        "put_bytes",
+        "put_failures",
+    ),
+)
+
+
+async def pulls_since(
+    server: VllmServer, before: Mapping[str, float], pulls: int, timeout_s: float = 10.0
+) -> dict[str, float]:
+    """``PULL_COUNTERS.since(server, before)`` once ``pulls`` more pulls have ended, either way
+    (vLLM publishes a step's counters a moment after its output); AssertionError at the deadline."""
+
+    def ended() -> bool:
+        moved = PULL_COUNTERS.since(server, before)
+        return moved["pulls"] + moved["pull_failures"] >= pulls
+
+    await eventually(ended, timeout_s, f"{pulls} pulls counted")
+    return PULL_COUNTERS.since(server, before)
+
+
+def tokens_by_transfer(server: VllmServer) -> float:
+    """Prompt tokens vLLM counted as loaded by a connector on ``server`` since it started
+    (``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}``)."""
+    return server.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
 async def minimal_proxy(
@@ -223,3 +282,11 @@ async def eventually(check, timeout_s: float = 15.0, what: str = "condition") ->
         assert time.monotonic() - t0 < timeout_s, f"{what}: not reached within {timeout_s:g}s"
         await asyncio.sleep(0.25)
     return time.monotonic() - t0
+
+
+async def settles_at(read, expected: float, what: str) -> None:
+    """``read()`` reaches ``expected`` (vLLM publishes a step's counters with its output, the
+    API process records them a moment later); the failure shows the value it stayed at."""
+    with contextlib.suppress(AssertionError):
+        await eventually(lambda: read() == expected, what=what)
+    assert read() == expected, f"{what}: {read()}, not {expected}"

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -27,12 +25,23 @@ from test_connector_e2e import assert_failed_load
 
 from harness import servers
 from harness.faults import freeze_after_grant_env
-from harness.pd import ServerSpec, client_session, complete, eventually, kv_args, start_many
+from harness.pd import (
+    PULL_COUNTERS,
+    ServerSpec,
+    client_session,
+    complete,
+    eventually,
+    kv_args,
+    mooncake_json,
+    pulls_since,
+    start_many,
+    tokens_by_transfer,
+)
 from harness.tiny_model import TinyModelSpec, build_tiny_model
+from harness.xpyd import start_pair_proxy
 
 pytestmark = pytest.mark.servers
 
-REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 # Not the suite's Llama: 3 layers, 6 query heads over 3 KV heads of 32 (GQA).
 MODEL_SPEC = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=32,
@@ -40,8 +49,6 @@ MODEL_SPEC = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=3
 LOAD_TIMEOUT_S = 8.0
 CONCURRENCY, MAX_TOKENS = 8, 8
 BLOCK = 128  # vLLM's CPU block size
-# The decode's pull counters (``mooncake_vllm:<name>_total``), read as differences.
-PULL_COUNTERS = ("pulls", "pull_failures", "blocks", "retries", "stalls")
 
 
 class NewUser:
@@ -54,17 +61,11 @@ class NewUser:
 
 def _pair_specs(cfg_path: Path, prefill_host: str, decode_host: str, tag: str, **prefill_env):
     """The README's minimal pair: one mooncake.json, P2P handshake over TCP, default policy."""
-    cfg_path.write_text(
-        json.dumps(
-            {
-                "prefill_url": f"{prefill_host}:14100",
-                "decode_url": f"{decode_host}:14200",
-                "metadata_server": "P2PHANDSHAKE",
-                "protocol": "tcp",
-                "device_name": "",
-                "load_timeout_s": LOAD_TIMEOUT_S,
-            }
-        )
+    mooncake_json(
+        cfg_path,
+        prefill_url=f"{prefill_host}:14100",
+        decode_url=f"{decode_host}:14200",
+        load_timeout_s=LOAD_TIMEOUT_S,
     )
     env = {"MOONCAKE_CONFIG_PATH": str(cfg_path)}
     return [
@@ -82,17 +83,8 @@ def _serving(model: str, specs: list[ServerSpec], tag: str):
         for srv in started:
             stack.enter_context(servers.running(srv))
         prefill, decode = started[-2:]
-        port = servers.free_port()
-        proxy = servers.ManagedProcess(
-            f"proxy-{tag}",
-            [sys.executable, str(REPO / "proxy" / "proxy_server.py"),
-             "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)],
-            servers.default_log_dir() / f"proxy-{tag}-{port}.log",
-        ).start()  # fmt: skip
-        stack.enter_context(servers.running(proxy))
-        url = f"http://127.0.0.1:{port}"
-        proxy.wait_until(lambda: servers.http_text(f"{url}/health") != "", 60, "healthy")
-        yield started, url
+        proxy = stack.enter_context(servers.running(start_pair_proxy(prefill.url, decode.url)))
+        yield started, proxy.url
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +119,6 @@ def show_logs(request):
             print(f"\n===== log of {srv.process.name} =====\n{srv.process.log_tail(40_000)}")
 
 
-def pull_counters(srv) -> dict[str, float]:
-    totals = srv.metrics()
-    return {k: totals.get(f"mooncake_vllm:{k}_total", 0.0) for k in PULL_COUNTERS}
-
-
-def external(srv) -> float:
-    return srv.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-
-
 def nothing_held(srv) -> bool:
     return srv.metric("mooncake_vllm:held_leases") == 0 and srv.metric(
         "vllm:kv_cache_usage_perc"
@@ -159,7 +142,7 @@ async def _two_hundred_requests(setup: NewUser) -> None:
     # Mixed: half short (1-199 tokens), half long (200-1499).
     lengths = [rng.randrange(1, 200) if i % 2 else rng.randrange(200, 1500) for i in range(200)]
     d = setup.decode
-    before, ext0 = pull_counters(d), external(d)
+    before, ext0 = PULL_COUNTERS.read(d), tokens_by_transfer(d)
     failures: list[str] = []
     mismatches: list[int] = []
     gate = asyncio.Semaphore(CONCURRENCY)
@@ -185,11 +168,8 @@ async def _two_hundred_requests(setup: NewUser) -> None:
     assert not failures, f"{len(failures)} of {len(lengths)} failed: {failures[:5]}"
     assert not mismatches, f"decode differs from plain for prompts of {mismatches} tokens"
 
-    def since() -> dict[str, float]:
-        return {k: v - before[k] for k, v in pull_counters(d).items()}
-
-    await eventually(lambda: since()["pulls"] + since()["pull_failures"] >= len(lengths), 20)
-    pulled, ext = since(), external(d) - ext0
+    pulled = await pulls_since(d, before, len(lengths), 20)
+    ext = tokens_by_transfer(d) - ext0
     print(f"decode: {pulled}; {ext:.0f} of {sum(lengths)} prompt tokens by transfer")
     assert pulled == {
         "pulls": len(lengths),

@@ -17,15 +17,16 @@ from functools import partial
 import pytest
 
 from harness.pd import (
+    POOL_COUNTERS,
     ServerSpec,
     complete,
     eventually,
     greedy_body,
     minimal_proxy,
     pool_args,
-    pool_counter,
     pool_extra,
     start_with_master,
+    tokens_by_transfer,
 )
 from harness.servers import start_mooncake_master
 
@@ -35,7 +36,6 @@ MAX_TOKENS = 8
 # 200–1400 tokens as in the issue, plus block boundaries (CPU block: 128) and short prompts.
 LENGTHS = [1, 5, 127, 128, 129, 200, 255, 256, 257, 300, 383, 450, 511, 512, 513, 640, 700,
            769, 900, 1000, 1023, 1025, 1200, 1400]  # fmt: skip
-EXTERNAL = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,8 @@ body = partial(greedy_body, max_tokens=MAX_TOKENS, ignore_eos=True)
 async def test_minimal_proxy_outputs_equal_plain_and_prompts_come_from_the_pool(pool, http):
     model, prefill, decode = pool["model"], pool["prefill"], pool["decode1"]
     batch = prompts(seed=1)
-    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
+    prefill0, decode0 = POOL_COUNTERS.read(prefill), POOL_COUNTERS.read(decode)
+    ext0 = tokens_by_transfer(decode)
     mismatches = []
     for i, prompt in enumerate(batch):
         stream = i % 2 == 1
@@ -91,27 +92,27 @@ async def test_minimal_proxy_outputs_equal_plain_and_prompts_come_from_the_pool(
         f"decode differs from plain for (len, stream, plain, decode): {mismatches}"
     )
     total = sum(len(p) for p in batch)
-    ext = decode.metric(EXTERNAL, source="external_kv_transfer") - ext0
+    ext = tokens_by_transfer(decode) - ext0
     print(f"decode1: {ext:.0f} of {total} prompt tokens from the pool ({100 * ext / total:.1f} %)")
     assert ext >= 0.95 * total
-    await eventually(lambda: pool_counter(prefill, "put_blocks") > 0)
-    for srv in (prefill, decode):
-        assert pool_counter(srv, "load_failures") == 0
-        assert pool_counter(srv, "put_failures") == 0
+    await eventually(lambda: POOL_COUNTERS.since(prefill, prefill0)["put_blocks"] > 0)
+    for srv, before in ((prefill, prefill0), (decode, decode0)):
+        failed = POOL_COUNTERS.since(srv, before)
+        assert (failed["load_failures"], failed["put_failures"]) == (0, 0), srv.process.name
 
 
 async def test_a_prefill_ending_on_a_stop_token_is_in_the_pool_too(pool, http):
     model, prefill, decode = pool["model"], pool["prefill"], pool["decode1"]
     prompt = prompts(seed=2, lengths=[700])[0]
     ref = await complete(http, pool["plain"], body(model, prompt))
-    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
+    ext0 = tokens_by_transfer(decode)
     head = await complete(
         http, prefill, body(model, prompt, max_tokens=1, stop_token_ids=[ref.token_ids[0]])
     )
     assert head.finish_reason == "stop"
     got = await complete(http, decode, body(model, prompt))
     assert got.token_ids == ref.token_ids
-    assert decode.metric(EXTERNAL, source="external_kv_transfer") - ext0 >= 0.95 * len(prompt)
+    assert tokens_by_transfer(decode) - ext0 >= 0.95 * len(prompt)
 
 
 async def test_a_second_decode_reuses_prompts_prefilled_earlier(pool, http):
@@ -121,15 +122,16 @@ async def test_a_second_decode_reuses_prompts_prefilled_earlier(pool, http):
     model, prefill = pool["model"], pool["prefill"]
     decode1, decode2 = pool["decode1"], pool["decode2"]
     batch = prompts(seed=3, lengths=LENGTHS[5:])
+    decode2_0 = POOL_COUNTERS.read(decode2)
     for prompt in batch:
         await complete(http, prefill, body(model, prompt, max_tokens=1))
-    ext0 = decode2.metric(EXTERNAL, source="external_kv_transfer")
+    ext0 = tokens_by_transfer(decode2)
     for i, prompt in enumerate(batch):
         ref = await complete(http, pool["plain"], body(model, prompt))
         got = await complete(http, decode2, body(model, prompt, stream=i % 2 == 0))
         assert got.token_ids == ref.token_ids, len(prompt)
     total = sum(len(p) for p in batch)
-    ext = decode2.metric(EXTERNAL, source="external_kv_transfer") - ext0
+    ext = tokens_by_transfer(decode2) - ext0
     print(f"decode2: {ext:.0f} of {total} prompt tokens from the pool ({100 * ext / total:.1f} %)")
     assert ext >= 0.90 * total
 
@@ -138,13 +140,13 @@ async def test_a_second_decode_reuses_prompts_prefilled_earlier(pool, http):
     turn1 = prompts(seed=4, lengths=[600])[0]
     answer = await minimal_proxy(http, prefill, decode1, body(model, turn1))
     turn2 = turn1 + answer.token_ids + prompts(seed=5, lengths=[90])[0]
-    ext0 = decode2.metric(EXTERNAL, source="external_kv_transfer")
+    ext0 = tokens_by_transfer(decode2)
     ref = await complete(http, pool["plain"], body(model, turn2))
     got = await complete(http, decode2, body(model, turn2))
     assert got.token_ids == ref.token_ids
-    assert decode2.metric(EXTERNAL, source="external_kv_transfer") - ext0 >= len(turn1) // 128 * 128
-    assert pool_counter(decode2, "load_failures") == 0
-    assert pool_counter(decode2, "put_blocks") == 0  # kv_consumer: gets only
+    assert tokens_by_transfer(decode2) - ext0 >= len(turn1) // 128 * 128
+    d = POOL_COUNTERS.since(decode2, decode2_0)
+    assert (d["load_failures"], d["put_blocks"]) == (0, 0)  # kv_consumer: gets only
 
 
 async def test_master_killed_requests_recompute_and_the_pool_returns_with_it(pool, http):
@@ -153,15 +155,16 @@ async def test_master_killed_requests_recompute_and_the_pool_returns_with_it(poo
     clients reconnect by themselves and the pool serves again."""
     model, prefill, decode = pool["model"], pool["prefill"], pool["decode1"]
     master = pool["master"]
+    prefill0, decode0 = POOL_COUNTERS.read(prefill), POOL_COUNTERS.read(decode)
     master.stop()
-    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
+    ext0 = tokens_by_transfer(decode)
     for i, prompt in enumerate(prompts(seed=6, lengths=[300, 700, 129])):
         ref = await complete(http, pool["plain"], body(model, prompt))
         got = await minimal_proxy(http, prefill, decode, body(model, prompt, stream=i == 1))
         assert got.token_ids == ref.token_ids
-    assert decode.metric(EXTERNAL, source="external_kv_transfer") == ext0  # all recomputed
-    await eventually(lambda: pool_counter(prefill, "put_failures") > 0)
-    assert pool_counter(decode, "load_failures") == 0
+    assert tokens_by_transfer(decode) == ext0  # all recomputed
+    await eventually(lambda: POOL_COUNTERS.since(prefill, prefill0)["put_failures"] > 0)
+    assert POOL_COUNTERS.since(decode, decode0)["load_failures"] == 0
 
     pool["master"] = start_mooncake_master(
         master.host, master.port, metadata_port=master.metadata_port
@@ -170,12 +173,12 @@ async def test_master_killed_requests_recompute_and_the_pool_returns_with_it(poo
     total = sum(lengths)
 
     async def pool_serves_again(batch) -> float:
-        ext_before = decode.metric(EXTERNAL, source="external_kv_transfer")
+        ext_before = tokens_by_transfer(decode)
         for prompt in batch:
             ref = await complete(http, pool["plain"], body(model, prompt))
             got = await minimal_proxy(http, prefill, decode, body(model, prompt))
             assert got.token_ids == ref.token_ids
-        return decode.metric(EXTERNAL, source="external_kv_transfer") - ext_before
+        return tokens_by_transfer(decode) - ext_before
 
     # The store clients notice the new master at their next heartbeat: allow a few rounds.
     deadline, seed = time.monotonic() + 60, 7

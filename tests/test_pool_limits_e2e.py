@@ -8,21 +8,22 @@ Every counter is read as a difference around the test's own requests.
 
 from __future__ import annotations
 
-import contextlib
 import random
 from functools import partial
 
 import pytest
 
 from harness.pd import (
+    POOL_COUNTERS,
     ServerSpec,
     complete,
-    eventually,
     greedy_body,
     minimal_proxy,
     pool_args,
     pool_extra,
+    settles_at,
     start_with_master,
+    tokens_by_transfer,
 )
 from harness.servers import metric_totals, start_mooncake_master
 from harness.tiny_model import TinyModelSpec, build_tiny_model
@@ -31,7 +32,6 @@ pytestmark = pytest.mark.servers
 
 MAX_TOKENS = 8
 BLOCK = 128  # vLLM's CPU block size: one pool key per block and TP rank
-EXTERNAL = "vllm:prompt_tokens_by_source_total"
 # Three 16 MiB segments: 48 blocks of the suite's Llama (4 layers x K,V x 4 heads x 64 x 128
 # tokens x 4 B = 1 MiB a block).
 SEGMENT_MIB, POOL_BLOCKS = 16, 48
@@ -40,8 +40,6 @@ EVICTION_WATERMARK = 0.9
 # Not the suite's Llama (3 layers, 3 KV heads of 32): another layout in the same pool.
 OTHER_MODEL = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=32,
                             intermediate=384, seed=4321)  # fmt: skip
-POOL_COUNTERS = ("lookups", "hit_blocks", "miss_blocks", "put_blocks", "put_skipped_blocks",
-                 "put_failures", "loads", "get_blocks", "load_failures")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -76,30 +74,8 @@ def blocks(n: int) -> int:
 body = partial(greedy_body, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def pool_counters(srv) -> dict[str, float]:
-    """Our pool counters on ``srv`` (``mooncake_vllm:pool_<name>_total``), by name."""
-    totals = srv.metrics()
-    return {k: totals.get(f"mooncake_vllm:pool_{k}_total", 0.0) for k in POOL_COUNTERS}
-
-
-def since(srv, before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before[k] for k, v in pool_counters(srv).items()}
-
-
-def external(srv) -> float:
-    return srv.metric(EXTERNAL, source="external_kv_transfer")
-
-
 def master_figures(master) -> dict[str, float]:
     return metric_totals(f"http://{master.host}:{master.metrics_port}/metrics")
-
-
-async def settles_at(read, expected: float, what: str) -> None:
-    """``read()`` reaches ``expected`` (vLLM publishes a step's counters with its output, the
-    API process records them a moment later); the failure shows the value it stayed at."""
-    with contextlib.suppress(AssertionError):
-        await eventually(lambda: read() == expected, what=what)
-    assert read() == expected, what
 
 
 async def test_a_full_pool_fails_or_evicts_puts_and_every_request_still_answers_right(
@@ -120,22 +96,26 @@ async def test_a_full_pool_fails_or_evicts_puts_and_every_request_still_answers_
     assert sum(n_blocks[:first_round]) <= EVICTION_WATERMARK * POOL_BLOCKS
     assert master_figures(master)["master_key_count"] == 0, "this test starts on an empty pool"
     evicted0 = master_figures(master)["master_evicted_key_count_total"]
-    prefill0, decode0 = pool_counters(prefill), pool_counters(decode)
+    prefill0, decode0 = POOL_COUNTERS.read(prefill), POOL_COUNTERS.read(decode)
     hits: list[int] = []
     claimed: list[int] = []  # prompt tokens each decode counted as external
     for i, prompt in enumerate(batch):
         ref = await complete(http, small_pool["plain"], body(model, prompt))
-        before, ext0 = pool_counters(decode), external(decode)
+        before, ext0 = POOL_COUNTERS.read(decode), tokens_by_transfer(decode)
         got = await minimal_proxy(http, prefill, decode, body(model, prompt, stream=i % 2 == 0))
         assert got.token_ids == ref.token_ids, i
         # The decode (kv_both) looked the prompt up once and claimed the leading blocks found:
         # vLLM counts those tokens, the trailing partial block included, as external.
-        await settles_at(lambda b=before: since(decode, b)["lookups"], 1, f"prompt {i}: lookups")
-        found = since(decode, before)
+        await settles_at(
+            lambda b=before: POOL_COUNTERS.since(decode, b)["lookups"], 1, f"prompt {i}: lookups"
+        )
+        found = POOL_COUNTERS.since(decode, before)
         hit = int(found["hit_blocks"])
         assert hit + found["miss_blocks"] == n_blocks[i], (i, found)
         want = min(len(prompt), BLOCK * hit)
-        await settles_at(lambda e=ext0: external(decode) - e, want, f"prompt {i}: {hit} blocks")
+        await settles_at(
+            lambda e=ext0: tokens_by_transfer(decode) - e, want, f"prompt {i}: {hit} blocks"
+        )
         hits.append(hit)
         claimed.append(want)
     evicted = master_figures(master)["master_evicted_key_count_total"] - evicted0
@@ -166,11 +146,11 @@ async def _puts_settle(srv, before: dict[str, float], saved: int) -> dict[str, f
     """``srv``'s counters since ``before``, once its ``saved`` blocks are all accounted for."""
 
     def accounted() -> float:
-        d = since(srv, before)
+        d = POOL_COUNTERS.since(srv, before)
         return d["put_blocks"] + d["put_skipped_blocks"] + d["put_failures"]
 
     await settles_at(accounted, saved, f"{srv.process.name}: blocks put, skipped or refused")
-    return since(srv, before)
+    return POOL_COUNTERS.since(srv, before)
 
 
 async def test_an_instance_of_another_model_never_reads_the_pools_kv(small_pool, http):
@@ -182,16 +162,22 @@ async def test_an_instance_of_another_model_never_reads_the_pools_kv(small_pool,
     other = small_pool["other"]
     prompt = prompts(seed=9, lengths=[900])[0]
     await complete(http, prefill, body(model, prompt, max_tokens=1))
-    before = pool_counters(decode)
+    before = POOL_COUNTERS.read(decode)
     await complete(http, decode, body(model, prompt))
-    await settles_at(lambda: since(decode, before)["lookups"], 1, "the Llama's lookup")
-    assert since(decode, before)["hit_blocks"] >= 1, "the Llama's KV is not in the pool"
+    await settles_at(
+        lambda: POOL_COUNTERS.since(decode, before)["lookups"], 1, "the Llama's lookup"
+    )
+    assert POOL_COUNTERS.since(decode, before)["hit_blocks"] >= 1, (
+        "the Llama's KV is not in the pool"
+    )
 
-    before, ext0 = pool_counters(other), external(other)
+    before, ext0 = POOL_COUNTERS.read(other), tokens_by_transfer(other)
     first = await complete(http, other, body(small_pool["other_model"], prompt))
     assert len(first.token_ids) == MAX_TOKENS
-    await settles_at(lambda: since(other, before)["lookups"], 1, "the other model's lookup")
+    await settles_at(
+        lambda: POOL_COUNTERS.since(other, before)["lookups"], 1, "the other model's lookup"
+    )
     o = await _puts_settle(other, before, blocks(len(prompt)))
     assert (o["hit_blocks"], o["miss_blocks"]) == (0, blocks(len(prompt)))
     assert (o["loads"], o["get_blocks"], o["put_skipped_blocks"]) == (0, 0, 0)
-    assert external(other) == ext0
+    assert tokens_by_transfer(other) == ext0

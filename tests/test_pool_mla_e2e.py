@@ -14,15 +14,16 @@ from functools import partial
 import pytest
 
 from harness.pd import (
+    POOL_COUNTERS,
     ServerSpec,
     complete,
-    eventually,
     greedy_body,
     minimal_proxy,
     pool_args,
-    pool_counter,
     pool_extra,
+    settles_at,
     start_with_master,
+    tokens_by_transfer,
 )
 from harness.servers import start_mooncake_master
 from harness.tiny_model import MLA_CPU_ARGS, TinyMLASpec, build_tiny_model
@@ -34,7 +35,6 @@ BLOCK = 16  # vLLM's block size for MLA on CPU
 PAGE_BYTES = BLOCK * SPEC.kv_bytes_per_token  # one block: a latent page per layer
 MAX_TOKENS = 8
 LENGTHS = [1, 15, 16, 17, 100, 300, 513, 700, 1000, 1025, 1400, 1500]
-EXTERNAL = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,8 @@ async def test_mla_through_the_pool_equals_plain_one_latent_copy_per_block(mla_p
     model, plain, prefill, decode = mla_pool
     rng = random.Random(21)
     batch = [[rng.randrange(3, SPEC.vocab) for _ in range(n)] for n in LENGTHS]
-    ext0 = decode.metric(EXTERNAL, source="external_kv_transfer")
+    prefill0, decode0 = POOL_COUNTERS.read(prefill), POOL_COUNTERS.read(decode)
+    ext0 = tokens_by_transfer(decode)
     mismatches = []
     for i, prompt in enumerate(batch):
         ref = await complete(http, plain, body(model, prompt))
@@ -70,16 +71,17 @@ async def test_mla_through_the_pool_equals_plain_one_latent_copy_per_block(mla_p
     assert not mismatches, f"decode differs from plain for (len, plain, decode): {mismatches}"
 
     total = sum(len(p) for p in batch)
-    ext = decode.metric(EXTERNAL, source="external_kv_transfer") - ext0
+    ext = tokens_by_transfer(decode) - ext0
     print(f"MLA decode: {ext:.0f} of {total} prompt tokens from the pool")
     assert ext >= 0.95 * total
     # Every block of every prompt (the partial tails too) was put once, as one latent page per
     # layer; the decode got whole pages of the same size.
     blocks = sum(-(-len(p) // BLOCK) for p in batch)
-    await eventually(lambda: pool_counter(prefill, "put_blocks") == blocks)
-    assert pool_counter(prefill, "put_bytes") == blocks * PAGE_BYTES
-    got_blocks = pool_counter(decode, "get_blocks")
-    assert got_blocks > 0 and pool_counter(decode, "get_bytes") == got_blocks * PAGE_BYTES
-    for srv in (prefill, decode):
-        assert pool_counter(srv, "load_failures") == 0
-        assert pool_counter(srv, "put_failures") == 0
+    await settles_at(
+        lambda: POOL_COUNTERS.since(prefill, prefill0)["put_blocks"], blocks, "blocks put"
+    )
+    p, d = POOL_COUNTERS.since(prefill, prefill0), POOL_COUNTERS.since(decode, decode0)
+    assert p["put_bytes"] == blocks * PAGE_BYTES
+    assert d["get_blocks"] > 0 and d["get_bytes"] == d["get_blocks"] * PAGE_BYTES
+    assert (p["load_failures"], p["put_failures"]) == (0, 0)
+    assert (d["load_failures"], d["put_failures"]) == (0, 0)

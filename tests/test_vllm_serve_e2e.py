@@ -10,7 +10,6 @@ it, and after ``/resume`` the pair hands KV over as before.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 import uuid
@@ -19,12 +18,16 @@ import pytest
 
 from harness import servers
 from harness.pd import (
+    PULL_COUNTERS,
     ServerSpec,
     client_session,
     complete,
     eventually,
     kv_args,
+    mooncake_json,
+    pulls_since,
     start_many,
+    tokens_by_transfer,
     two_legs,
 )
 
@@ -36,18 +39,11 @@ LEASE_TTL_S = 6.0
 
 @pytest.fixture(scope="module")
 def pair(tiny_model, tmp_path_factory):
-    cfg = tmp_path_factory.mktemp("vllm-serve") / "mooncake.json"
-    cfg.write_text(
-        json.dumps(
-            {
-                "prefill_url": f"{HOST}:{servers.free_port(HOST)}",
-                "decode_url": f"{HOST}:{servers.free_port(HOST)}",
-                "metadata_server": "P2PHANDSHAKE",
-                "protocol": "tcp",
-                "device_name": "",
-                "lease_ttl_s": LEASE_TTL_S,
-            }
-        )
+    cfg = mooncake_json(
+        tmp_path_factory.mktemp("vllm-serve") / "mooncake.json",
+        prefill_url=f"{HOST}:{servers.free_port(HOST)}",
+        decode_url=f"{HOST}:{servers.free_port(HOST)}",
+        lease_ttl_s=LEASE_TTL_S,
     )
     env = {"MOONCAKE_CONFIG_PATH": str(cfg), "VLLM_SERVER_DEV_MODE": "1"}
     prefill, decode = start_many(
@@ -69,15 +65,11 @@ def show_logs(pair, request):
             print(f"\n===== log of {srv.process.name} =====\n{srv.process.log_tail(30_000)}")
 
 
-def _by_transfer(decode) -> float:
-    return decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-
-
 async def test_a_pair_started_with_vllm_serve_hands_kv_over(pair, tiny_model, show_logs):
     prefill, decode = pair
     for srv in pair:
         assert srv.process.argv[1:3] == ["serve", tiny_model]  # vllm serve MODEL ...
-    ext0 = _by_transfer(decode)
+    before, ext0 = PULL_COUNTERS.read(decode), tokens_by_transfer(decode)
     rng = random.Random(7)  # no shared prefix: the decode's own prefix cache cannot serve them
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (40, 300, 700)]
     async with client_session() as http:
@@ -85,11 +77,13 @@ async def test_a_pair_started_with_vllm_serve_hands_kv_over(pair, tiny_model, sh
             body = {"model": tiny_model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
             _, tail = await two_legs(http, prefill, decode, body)
             assert len(tail.token_ids) == 6
-    await eventually(lambda: decode.metric("mooncake_vllm:pulls_total") >= len(prompts), 10)
-    assert decode.metric("mooncake_vllm:pull_failures_total") == 0
+    pulls = await pulls_since(decode, before, len(prompts))
+    assert (pulls["pulls"], pulls["pull_failures"]) == (len(prompts), 0)
     # The last token of each prompt is computed by the decode; the rest arrived by transfer.
     want = sum(len(p) - 1 for p in prompts)
-    await eventually(lambda: _by_transfer(decode) - ext0 >= want, 10, "prompt tokens by transfer")
+    await eventually(
+        lambda: tokens_by_transfer(decode) - ext0 >= want, 10, "prompt tokens by transfer"
+    )
 
 
 async def test_pause_waits_for_a_held_lease_and_resume_serves_again(pair, tiny_model, show_logs):
@@ -112,10 +106,9 @@ async def test_pause_waits_for_a_held_lease_and_resume_serves_again(pair, tiny_m
         finally:
             async with http.post(f"{prefill.url}/resume") as resp:
                 assert resp.status == 200, await resp.text()
-        failures0 = decode.metric("mooncake_vllm:pull_failures_total")
-        pulls0 = decode.metric("mooncake_vllm:pulls_total")
+        before = PULL_COUNTERS.read(decode)
         _, tail = await two_legs(http, prefill, decode, body)
         assert len(tail.token_ids) == 4
-    await eventually(lambda: decode.metric("mooncake_vllm:pulls_total") == pulls0 + 1, 10)
-    assert decode.metric("mooncake_vllm:pull_failures_total") == failures0
+    pulls = await pulls_since(decode, before, 1)
+    assert (pulls["pulls"], pulls["pull_failures"]) == (1, 0)
     print(f"pause returned after {paused_after_s:.1f} s (lease TTL {LEASE_TTL_S} s)")
