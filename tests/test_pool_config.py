@@ -48,6 +48,18 @@ def test_sizes(value, expected):
     assert parse_size("k", value) == expected
 
 
+def test_a_stalled_tcp_transfer_is_dropped_after_stall_timeout_s():
+    # The store's engine drops a transfer without progress after MC_TCP_PROGRESS_TIMEOUT_SEC,
+    # so a stalled get fails (-800) and is asked again within load_timeout_s.
+    assert settings().engine_env() == {
+        "MC_TRANSFER_TIMEOUT": "10",
+        "MC_FORCE_TCP": "1",
+        "MC_TCP_PROGRESS_TIMEOUT_SEC": "2",
+    }
+    assert settings(stall_timeout_s=5).engine_env()["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "5"
+    assert "MC_TCP_PROGRESS_TIMEOUT_SEC" not in settings(protocol="rdma").engine_env()
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
@@ -58,6 +70,9 @@ def test_sizes(value, expected):
         ({"local_buffer_size": True}, "local_buffer_size"),
         ({"protocol": "udp"}, "protocol"),
         ({"transfer_timeout": 0}, "transfer_timeout"),
+        ({"stall_timeout_s": 0}, "stall_timeout_s"),
+        ({"stall_timeout_s": 61}, "stall_timeout_s"),
+        ({"stall_timeout_s": 1.5}, "stall_timeout_s"),  # whole seconds: the engine's unit
         ({"prefill_url": "127.0.0.1:1"}, "prefill_url"),  # a P2P key: unknown here
     ],
 )

@@ -34,6 +34,11 @@ class SharedSettings(BaseModel):
 
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = ""
+    # A TCP transfer that makes no progress for this long is dropped by the transfer engine
+    # (MC_TCP_PROGRESS_TIMEOUT_SEC; whole seconds, the engine's unit; its own default is 30), so
+    # it fails, can no longer write, and is asked again while the load's deadline allows: P2P
+    # reads the entry again, the pool asks the master again (a fresh lease).
+    stall_timeout_s: int = Field(2, ge=1, le=60)
     # Seconds vLLM's queue readers in this engine busy-wait after a message (vLLM: 1 s);
     # null keeps vLLM's. See ``vllm_glue``. Not below 20 ms: at 0 a reader that misses a wake-up
     # waits for vLLM's 5 s recheck (measured: 32 tokens took 155 s); shorter is unmeasured.

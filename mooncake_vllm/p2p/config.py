@@ -54,9 +54,6 @@ class MooncakeSettings(SharedSettings):
     kv_buffer_size: int = Field(1_000_000_000, gt=0)
     lease_ttl_s: float = Field(30.0, gt=0)
     load_timeout_s: float = Field(30.0, gt=0)
-    # A transfer-engine entry (one region, one TCP connection) that makes no progress for this
-    # long is dropped by the engine and read again (whole seconds: the engine's unit).
-    stall_timeout_s: int = Field(2, ge=1, le=60)
     # Transfer-engine entries one pull keeps in flight (each its own TCP connection).
     max_batch_entries: int = Field(512, gt=0, le=2000)
     # With a metadata store: the OpenAI base URL published for ``proxy_server.py --discover``.

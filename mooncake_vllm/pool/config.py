@@ -54,7 +54,8 @@ class PoolSettings(SharedSettings):
     # DRAM this instance mounts into the pool (each worker rank), and its staging buffer.
     global_segment_size: int = 512 << 20
     local_buffer_size: int = 16 << 20
-    # Seconds the store's transfer engine gives one transfer (MC_TRANSFER_TIMEOUT).
+    # MC_TRANSFER_TIMEOUT, a key store users write. The 0.3.13.post1 store does not read it
+    # (measured: 5 changed nothing); stall_timeout_s is what ends a stalled get.
     transfer_timeout: int = Field(10, ge=1, le=600)
     # A get (load) not done this long after it started fails, and vLLM's
     # kv_load_failure_policy decides (recompute or fail).
@@ -104,6 +105,10 @@ class PoolSettings(SharedSettings):
         env = {"MC_TRANSFER_TIMEOUT": str(self.transfer_timeout)}
         if self.protocol == "tcp":
             env["MC_FORCE_TCP"] = "1"
+            # A get of 7 blocks from a SIGSTOPped holder (0.3.13.post1): -800 after 4 s with 2
+            # (4 transfers per peer at a time: two rounds), after 60 s without (two rounds of 30
+            # s, and the store's own cap), far past load_timeout_s.
+            env["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(self.stall_timeout_s)
         return env
 
 

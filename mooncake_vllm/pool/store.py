@@ -49,9 +49,11 @@ CODES = {
     -901: "master timed out",
 }
 # Get results worth asking again: the object may still be there. -707: the master's lease on
-# the object (mooncake_master --default_kv_lease_ttl, 5 s) ran out while a starved read was
+# the object (mooncake_master --default_kv_lease_ttl, 10 s) ran out while a starved read was
 # going on; the bytes are right but the object could have been evicted under the reader, so
-# the store refuses them. -900/-901: the master restarted or was slow since the lookup.
+# the store refuses them. -800: a transfer failed, e.g. dropped by the engine after
+# stall_timeout_s without progress (measured: a get from a SIGSTOPped holder answers -800).
+# -900/-901: the master restarted or was slow since the lookup.
 RETRYABLE = frozenset({-707, -800, -900, -901})
 
 
