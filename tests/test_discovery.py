@@ -24,7 +24,10 @@ from mooncake_vllm.core.registry import SERVING_PREFIX, ServingRecord, encode_se
 from mooncake_vllm.core.serving_url import find_serving_url, url_from_vllm_argv
 from mooncake_vllm.core.settings import ConfigError
 from mooncake_vllm.p2p.config import load_settings
-from mooncake_vllm.proxy.discovery import wanted_backends
+from mooncake_vllm.proxy.config import ProxyConfig
+from mooncake_vllm.proxy.discovery import RegistryFollower, wanted_backends
+from mooncake_vllm.proxy.failover import Backends
+from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.routing import BackendPool, NoHealthyBackend
 from mooncake_vllm.proxy.server import parse_args
 from mooncake_vllm.transfer.stores import StoreUnavailable, open_store, parse_metadata_server
@@ -185,6 +188,55 @@ def test_a_joined_backend_waits_for_its_first_probe_and_a_removed_one_is_gone():
     assert [pool.pick().url for _ in range(2)] == ["http://a:1"] * 2
 
 
+class _Registry:
+    """The follower's view of a store: the serving records in it, or unreadable."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, bytes] = {}
+        self.up = True
+
+    async def list(self, prefix: str) -> dict[str, bytes]:
+        if not self.up:
+            raise StoreUnavailable("connection refused")
+        return {k: v for k, v in self.records.items() if k.startswith(prefix)}
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_store_that_lost_its_records_does_not_take_the_backends_away():
+    registry, now = _Registry(), [0.0]
+    backends = Backends(ProxyConfig(discover="redis://h:1"), ProxyMetrics())
+    follower = RegistryFollower(
+        backends, "redis://h:1", 1.0, grace_s=15.0, clock=lambda: now[0], store=registry
+    )
+    p1 = {serving_key("p1"): _record("p1", "kv_producer", "http://p:1")}
+    d1 = {serving_key("d1"): _record("d1", "kv_consumer", "http://d:1")}
+
+    async def pools_after(records: dict[str, bytes] | None, wait_s: float = 1.0):
+        """The pools after ``wait_s`` and one read of ``records`` (None: the store is down)."""
+        now[0] += wait_s
+        registry.up = records is not None
+        registry.records = dict(records or {})
+        await follower.refresh()
+        return tuple({b.url for b in backends.pools[r].backends} for r in ("prefill", "decode"))
+
+    both = ({"http://p:1"}, {"http://d:1"})
+    assert await pools_after({**p1, **d1}) == both
+    # The store restarts without its data: down, back empty, refilled one heartbeat at a time.
+    assert await pools_after(None) == both
+    assert await pools_after({}) == both
+    assert await pools_after(p1, wait_s=5) == both
+    assert await pools_after({**p1, **d1}, wait_s=5) == both
+    # With the store answering all along, an engine that stops (its record deleted) leaves.
+    assert await pools_after(p1, wait_s=10) == ({"http://p:1"}, set())
+    # A registry emptied at once is a store that lost its data, not every engine stopping ...
+    assert await pools_after({}) == ({"http://p:1"}, set())
+    assert await pools_after({}, wait_s=14) == ({"http://p:1"}, set())
+    # ... until the grace is over: then the missing record's backend leaves.
+    assert await pools_after({}, wait_s=1) == (set(), set())
+
+
 def test_discover_replaces_backend_flags_and_mixes_with_them():
     cfg = parse_args(["--discover", "etcd://127.0.0.1:2379"])
     assert (cfg.prefill, cfg.decode, cfg.discover) == ([], [], "etcd://127.0.0.1:2379")
@@ -283,13 +335,15 @@ async def test_proxy_follows_the_registry(kind, fake_backends, log_on_failure):
                 ) as resp:
                     assert resp.status == 200, await resp.text()
 
+        # The static prefill's engine publishes too: the registry never empties below (an
+        # emptied one is taken as a store that lost its data: test above).
+        await store.put(serving_key("p0"), _record("p0", "kv_producer", static_prefill))
         # A deleted record leaves at once; an expired one (no heartbeat) within its TTL.
         await store.delete(serving_key("p1"))
         proxy.wait_for("p1 gone", lambda: proxy.pool("prefill") == {static_prefill}, 5)
         left_s = proxy.wait_for("d1 expired", lambda: proxy.pool("decode") == set(), 10)
         print(f"{kind}: expired decode left {left_s:.2f}s after p1 did (its TTL is 3 s)")
         # Static backends stay, whatever the registry says.
-        await store.put(serving_key("p0"), _record("p0", "kv_producer", static_prefill))
         await store.delete(serving_key("p0"))
         await asyncio.sleep(1.5)
         assert proxy.pool("prefill") == {static_prefill}

@@ -121,7 +121,12 @@ def create_app(cfg: ProxyConfig) -> Quart:
     prober = HealthProber(backends)
     follower = (
         RegistryFollower(
-            backends, cfg.discover, cfg.discover_interval_s, cfg.auth_keys(), cfg.metadata_auth()
+            backends,
+            cfg.discover,
+            cfg.discover_interval_s,
+            cfg.auth_keys(),
+            cfg.metadata_auth(),
+            grace_s=cfg.discover_grace_s,
         )
         if cfg.discover
         else None

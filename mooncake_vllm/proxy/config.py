@@ -54,6 +54,9 @@ class ProxyConfig(BaseModel):
     # A metadata store (etcd://, redis://, http://) whose engine registry the pools follow.
     discover: str | None = None
     discover_interval_s: float = Field(1.0, gt=0)
+    # How long discovered backends stay after the store returned from an outage or emptied
+    # (``discovery``): longer than the engines' heartbeat, a third of their metadata_ttl_s.
+    discover_grace_s: float = Field(15.0, ge=0)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     policy: Policy = Policy.ROUND_ROBIN

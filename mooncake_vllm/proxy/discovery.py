@@ -13,6 +13,11 @@ engine stops, and expiring ``metadata_ttl_s`` after a crash. The follower reads 
   static is left to the static entry.
 
 A store that cannot be read leaves the pools as they are (logged once until it answers again).
+A store that comes back from an outage, or whose registry is suddenly empty, may have lost its
+data (a restarted redis without persistence, a fresh http server): its records return only as
+each engine's heartbeat republishes them (within a third of ``metadata_ttl_s``). Records missing
+then are not engines leaving: their backends stay for ``--discover-grace-s`` (or until their
+records return); only records gone from a store that has answered all along leave at once.
 
 With the shared secret (``--auth-secret-file``/``--auth-secret-env``) every record must verify
 (``auth.open_record``): an unsigned or forged one is ignored, logged once per key and counted
@@ -26,7 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -99,13 +105,23 @@ class RegistryFollower:
         interval_s: float,
         keys: auth.Keys = (),
         store_auth: MetadataAuth | None = None,
+        grace_s: float = 15.0,
+        clock: Callable[[], float] = time.monotonic,
+        store: Store | None = None,
     ) -> None:
+        """``store``: an open store to read instead of opening ``store_url`` (tests)."""
         self._backends = backends
         self._target = parse_metadata_server(store_url)
         self._interval_s = interval_s
+        self._grace_s = grace_s
+        self._clock = clock
+        # Until then, a discovered backend whose record is missing stays: the store may have
+        # lost its data, and the engines republish on their next heartbeat.
+        self._keep_missing_until_s = float("-inf")
+        self._had_records = False
         self._keys = keys
         self._store_auth = MetadataAuth() if store_auth is None else store_auth
-        self._store: Store | None = None
+        self._store: Store | None = store
         self._task: asyncio.Task[None] | None = None
         self._static = {r: {b.url for b in pool.backends} for r, pool in backends.pools.items()}
         self._discovered: dict[str, set[str]] = {role: set() for role in backends.pools}
@@ -114,7 +130,8 @@ class RegistryFollower:
         self.rounds = 0  # registry reads that succeeded (tests wait on it)
 
     def start(self) -> None:
-        self._store = open_store(self._target, self._store_auth)
+        if self._store is None:
+            self._store = open_store(self._target, self._store_auth)
         self._task = asyncio.create_task(self.follow_forever(), name="proxy-registry-follower")
 
     async def stop(self) -> None:
@@ -142,9 +159,14 @@ class RegistryFollower:
                 logger.warning("engine registry unreadable, pools kept as they are: %s", e)
             self._store_ok = False
             return
+        now = self._clock()
         if not self._store_ok:
             logger.warning("engine registry readable again (%s)", self._target.describe())
+            self._hold_missing(now, "the store was unreadable")
+        elif self._had_records and not records:
+            self._hold_missing(now, "every record vanished at once")
         self._store_ok = True
+        self._had_records = bool(records)
         bad: dict[str, str] = {}
         wanted = wanted_backends(records, bad, self._keys)
         for key, reason in bad.items():
@@ -160,6 +182,8 @@ class RegistryFollower:
                     self._discovered[role].add(url)
                     self._backends.metrics.declare_backends(role, [url])
                     logger.info("%s backend %s joined (engine %s)", role, url, engine_id)
+            if now < self._keep_missing_until_s:
+                continue  # no backend leaves: see _hold_missing
             for url in self._discovered[role] - urls.keys():
                 gone = pool.remove(url)
                 self._discovered[role].discard(url)
@@ -168,3 +192,14 @@ class RegistryFollower:
                 logger.info("%s backend %s left (its registry record is gone); %d waiting "
                             "calls sent elsewhere", role, url, resent)  # fmt: skip
         self.rounds += 1
+
+    def _hold_missing(self, now: float, why: str) -> None:
+        """The store may have lost its data (restarted empty): for ``grace_s`` a missing record
+        is not an engine leaving. A backend that really stopped meanwhile is out of rotation by
+        its failing health probes; it leaves when the grace ends."""
+        self._keep_missing_until_s = now + self._grace_s
+        logger.warning(
+            "engine registry: %s; discovered backends stay for %gs while engines republish",
+            why,
+            self._grace_s,
+        )

@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults["discover_interval_s"].default,
         help="how often the registry is read (%(default)s)",
     )
+    p.add_argument(
+        "--discover-grace-s",
+        type=float,
+        default=defaults["discover_grace_s"].default,
+        help="after the store was unreadable or emptied (restarted without its data), how long "
+        "backends whose records are missing stay while engines republish (%(default)s)",
+    )
     p.add_argument("--host", default=defaults["host"].default, help="bind address (%(default)s)")
     p.add_argument("--port", type=int, default=defaults["port"].default, help="(%(default)s)")
     p.add_argument(
