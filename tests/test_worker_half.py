@@ -141,7 +141,7 @@ class WakeRecorder:
         self.worker, self.seen = worker, []
 
     def wake(self):
-        self.seen.append(all(job.future.done() for job in list(self.worker._pulls.values())))
+        self.seen.append(self.worker._pulls.running() == 0)
 
     def close(self):
         pass

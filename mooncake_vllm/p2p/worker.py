@@ -15,28 +15,28 @@ Deadline (``load_timeout_s``) and late writes: the transfer engine cannot cancel
 not done a quarter second past its deadline is reported failed at once (vLLM's policy then fails or
 recomputes the request); its destination blocks stay pinned by the scheduler half until this
 worker reports the load *settled* (``MooncakeWorkerMeta``), which happens only when its thread has
-returned — and ``TransferAgent.read`` returns only once every entry it submitted has ended (a
-stalled entry is ended by the engine after ``stall_timeout_s`` without progress; no attempt starts
-unless it can end by the deadline). A pull still in the acquire or the engine's first handshake
-(which can block in C++) at the deadline submits nothing afterwards (``_PullJob.start_reading``
-decides under a lock).
+returned (``core.loads.LoadJobs``) — and ``TransferAgent.read`` returns only once every entry it
+submitted has ended (a stalled entry is ended by the engine after ``stall_timeout_s`` without
+progress; no attempt starts unless it can end by the deadline). A pull still in the acquire or the
+engine's first handshake (which can block in C++) at the deadline submits nothing afterwards
+(``LoadJob.start_writing`` decides under a lock).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from mooncake_vllm.core.auth import AuthError, host_allowed, open_record, seal_record, short_id
-from mooncake_vllm.core.loads import REPORT_AFTER_S, MooncakeWorkerMeta
+from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWorkerMeta
 from mooncake_vllm.core.os_threads import make_latency_critical, name_this_thread
 from mooncake_vllm.core.planning import kv_cache_regions, plan_regions, producer_rank_for
 from mooncake_vllm.core.registry import (
@@ -49,6 +49,7 @@ from mooncake_vllm.core.registry import (
     serving_key,
 )
 from mooncake_vllm.core.serving_url import find_serving_url
+from mooncake_vllm.core.worker_stats import WorkerStats
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.local_channels import WakeSender, claim, wake_endpoint
 from mooncake_vllm.p2p.protocol import (
@@ -88,45 +89,13 @@ class PullFailed(RuntimeError):
 
 
 @dataclass(frozen=True)
-class PullOutcome:
-    req_id: str
-    ok: bool
-    reason: str = ""
-    nbytes: int = 0
-    blocks: int = 0
+class PullOutcome(LoadOutcome):
     entries: int = 0
-    duration_s: float = 0.0
     acquire_s: float = 0.0  # side-channel round trip, producer wait included
     read_s: float = 0.0  # transfer-engine read
     refused: bool = False
     retries: int = 0
     stalls: int = 0
-
-
-class _PullJob:
-    """One pull's shared state between its thread and the step thread."""
-
-    def __init__(self, req_id: str, deadline: float, awaited: bool):
-        self.req_id, self.deadline = req_id, deadline
-        # vLLM waits for its outcome (False: only the producer's lease is to be released).
-        self.awaited = awaited
-        self.reported = False  # its outcome went to vLLM (possibly before its thread returned)
-        self.future: Future[PullOutcome] | None = None
-        self._lock = threading.Lock()
-        self._reading = self._abandoned = False
-
-    def start_reading(self) -> bool:
-        """Called by the pull thread before its first write into the blocks: False if abandoned."""
-        with self._lock:
-            self._reading = not self._abandoned
-            return self._reading
-
-    def abandon(self) -> bool:
-        """Called by the step thread past the deadline: True if the read never started (and now
-        never will)."""
-        with self._lock:
-            self._abandoned = self._abandoned or not self._reading
-            return self._abandoned
 
 
 def _memory_location(t: torch.Tensor) -> str:
@@ -155,11 +124,9 @@ class WorkerHalf:
         self._finished_sending: set[str] = set()  # from the scheduler's metadata, this step
         self._client: SideChannelClient | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._pulls: dict[str, _PullJob] = {}
-        self._settled: list[str] = []  # loads whose thread returned, for the next worker meta
+        self._pulls: LoadJobs[PullOutcome] | None = None
         self._wake: WakeSender | None = None
-        self._stats = MooncakeStats()
-        self._stats_lock = threading.Lock()
+        self._stats = WorkerStats(MooncakeStats)
         self._bridge: MetadataBridge | None = None
         self._compat_hash = compat_hash
         self._keys = cfg.settings.auth_keys()  # read once: a rotated secret needs a restart
@@ -169,6 +136,7 @@ class WorkerHalf:
             self._pool = ThreadPoolExecutor(
                 _PULL_THREADS, thread_name_prefix="mooncake-pull", initializer=_init_pull_thread
             )
+            self._pulls = LoadJobs(self._pool, noun="pull", wake=self._wake_scheduler)
             # Releases go out beside the pulls: a producer that does not answer must not delay
             # the outcome vLLM waits for (its lease TTL frees the blocks anyway).
             self._releases = ThreadPoolExecutor(1, thread_name_prefix="mooncake-release")
@@ -282,58 +250,33 @@ class WorkerHalf:
     def start_load_kv(self, meta: MooncakeConnectorMetadata) -> None:
         self._finished_sending |= meta.finished_sending
         for load in meta.loads:
-            assert self._pool is not None, "loads are only planned on a consumer"
-            deadline = time.monotonic() + self._cfg.settings.load_timeout_s
-            job = _PullJob(load.req_id, deadline, awaited=bool(load.local_block_ids))
-            job.future = self._pool.submit(self._pull, load, job)
-            self._pulls[load.req_id] = job
-            # Wakes the scheduler to report the pull failed if it is not done by then.
-            timer = threading.Timer(
-                job.deadline - time.monotonic() + REPORT_AFTER_S, self._wake_scheduler
+            assert self._pulls is not None, "loads are only planned on a consumer"
+            # vLLM waits for no outcome of a load without blocks: its lease is only released.
+            self._pulls.submit(
+                load.req_id,
+                partial(self._pull, load),
+                self._cfg.settings.load_timeout_s,
+                awaited=bool(load.local_block_ids),
             )
-            timer.daemon = True
-            timer.start()
-            job.future.add_done_callback(lambda _, t=timer: t.cancel())
-            # Once the future is done, not from inside the pull: a scheduler woken earlier would
-            # step, find the pull not done yet, and rest with nobody left to wake it.
-            job.future.add_done_callback(lambda _: self._wake_scheduler())
 
-    def _collect_pulls(self) -> list[PullOutcome]:
-        """Outcomes vLLM waits for: of pulls that ended, and failures of pulls past their
-        deadline whose thread is still busy (their loads settle when it returns)."""
-        out = []
-        now = time.monotonic()
-        for req_id, job in list(self._pulls.items()):
-            if job.future.done():
-                del self._pulls[req_id]
-                self._settled.append(req_id)
-                if job.awaited and not job.reported:
-                    out.append(job.future.result())  # _pull never raises
-                elif job.reported:
-                    logger.info(
-                        "request %s: the pull reported failed at its deadline has "
-                        "ended; its blocks are unpinned",
-                        req_id,
-                    )
-            elif job.awaited and not job.reported and now > job.deadline + REPORT_AFTER_S:
-                job.reported = True
-                stage = "acquire or first handshake" if job.abandon() else "read"
-                reason = (
-                    f"not done {self._cfg.settings.load_timeout_s:g}s (load_timeout_s) after it "
-                    f"started, still in the {stage}; its blocks stay pinned until it has ended"
-                )
-                out.append(PullOutcome(req_id, ok=False, reason=reason))
-        return out
+    def _overdue(self, job: LoadJob[PullOutcome]) -> PullOutcome:
+        stage = "acquire or first handshake" if job.abandon() else "read"
+        reason = (
+            f"not done {self._cfg.settings.load_timeout_s:g}s (load_timeout_s) after it "
+            f"started, still in the {stage}; its blocks stay pinned until it has ended"
+        )
+        return PullOutcome(job.req_id, ok=False, reason=reason)
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
         results.finished_sending, self._finished_sending = self._finished_sending, set()
-        for outcome in self._collect_pulls():
+        outcomes = self._pulls.collect(self._overdue) if self._pulls is not None else []
+        for outcome in outcomes:  # _pull never raises
             req_id = outcome.req_id
             results.finished_recving.add(req_id)
-            with self._stats_lock:
+            with self._stats.update() as stats:
                 if outcome.ok:
-                    self._stats.record_pull(
+                    stats.record_pull(
                         outcome.nbytes,
                         outcome.blocks,
                         outcome.entries,
@@ -341,33 +284,29 @@ class WorkerHalf:
                         acquire_s=outcome.acquire_s,
                         read_s=outcome.read_s,
                     )
-                    self._stats.count("retries", outcome.retries)
-                    self._stats.count("stalls", outcome.stalls)
+                    stats.count("retries", outcome.retries)
+                    stats.count("stalls", outcome.stalls)
                 else:
                     logger.warning("request %s: KV pull failed: %s", req_id, outcome.reason)
                     results.failed_recving.add(req_id)
-                    self._stats.count("pull_failures")
+                    stats.count("pull_failures")
                     if outcome.refused:
-                        self._stats.count("refused")
+                        stats.count("refused")
         return results
 
     def build_worker_meta(self) -> MooncakeWorkerMeta | None:
-        meta, self._settled = MooncakeWorkerMeta.of(self._settled), []
-        return meta
+        return self._pulls.worker_meta() if self._pulls is not None else None
 
     def get_stats(self) -> MooncakeStats | None:
-        with self._stats_lock:
-            if self._client is not None:
-                self._stats.count("rejected_frames", self._client.take_rejected())
-            if self._stats.is_empty():
-                return None
-            out, self._stats = self._stats, MooncakeStats()
-            return out
+        if self._client is not None:
+            with self._stats.update() as stats:
+                stats.count("rejected_frames", self._client.take_rejected())
+        return self._stats.take()
 
     # ---- the pull ------------------------------------------------------------------------
 
-    def _pull(self, load: LoadSpec, job: _PullJob) -> PullOutcome:
-        start, deadline = time.monotonic(), job.deadline
+    def _pull(self, load: LoadSpec, job: LoadJob[PullOutcome]) -> PullOutcome:
+        start, deadline = time.monotonic(), job.deadline_s
         h = load.handoff
         address = None
         if not load.local_block_ids:  # vLLM does not wait on this one: just free the lease
@@ -414,7 +353,7 @@ class WorkerHalf:
                 deadline=deadline,
                 stall_s=s.stall_timeout_s,
                 max_in_flight=s.max_batch_entries,
-                should_start=job.start_reading,
+                should_start=job.start_writing,
             )
             succeeded = True
             logger.debug(
