@@ -13,22 +13,23 @@ Load: each load is one job on a small thread pool, off the forward path; its out
 by ``get_transfer_results`` on the step thread. A get that fails, or is not done within
 ``load_timeout_s``, is reported in ``failed_recving`` and vLLM's ``kv_load_failure_policy``
 decides. The store cannot cancel a get, so a job reported at its deadline keeps its blocks pinned
-(by the scheduler half) until its thread returns and this worker reports it settled.
+(by the scheduler half) until its thread returns and this worker reports it settled
+(``core.loads.LoadJobs``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from mooncake_vllm.core.loads import REPORT_AFTER_S, MooncakeWorkerMeta
+from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWorkerMeta
 from mooncake_vllm.core.planning import MemSegment, kv_cache_regions
+from mooncake_vllm.core.worker_stats import WorkerStats
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, key_rank
 from mooncake_vllm.pool.stats import PoolStats
@@ -41,23 +42,6 @@ _LOAD_THREADS = 4
 _WARN_EVERY_S = 10.0
 # First pause before a get is asked again; it doubles each time.
 _RETRY_PAUSE_S = 0.05
-
-
-@dataclass(frozen=True)
-class LoadOutcome:
-    req_id: str
-    ok: bool
-    reason: str = ""
-    blocks: int = 0
-    nbytes: int = 0
-    duration_s: float = 0.0
-
-
-@dataclass
-class _LoadJob:
-    future: Future
-    deadline: float
-    reported: bool = False
 
 
 def block_ranges(segments: list[MemSegment], block_id: int) -> tuple[list[int], list[int]]:
@@ -89,11 +73,9 @@ class PoolWorkerHalf:
         self._store: PoolStore | None = None
         self._segments: list[MemSegment] = []
         self._block_bytes = 0
-        self._jobs: dict[str, _LoadJob] = {}
-        self._settled: list[str] = []
-        self._stats = PoolStats()
-        self._stats_lock = threading.Lock()
+        self._stats = WorkerStats(PoolStats)
         self._pool = ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="mooncake-pool-get")
+        self._jobs: LoadJobs[LoadOutcome] = LoadJobs(self._pool)
         self._saves: list[BlockTransfer] = []
         self._last_put_warning = -_WARN_EVERY_S
 
@@ -127,9 +109,7 @@ class PoolWorkerHalf:
     def start_load_kv(self, meta: PoolConnectorMetadata) -> None:
         self._saves = list(meta.saves)
         for load in meta.loads:
-            deadline = time.monotonic() + self._settings.load_timeout_s
-            future = self._pool.submit(self._load, load, deadline)
-            self._jobs[load.req_id] = _LoadJob(future, deadline)
+            self._jobs.submit(load.req_id, partial(self._load, load), self._settings.load_timeout_s)
 
     def wait_for_save(self) -> None:
         """Put this step's completed blocks that the pool lacks; never raises."""
@@ -168,12 +148,12 @@ class PoolWorkerHalf:
         self._count_put(len(todo) - len(bad), skipped, len(bad), start)
 
     def _count_put(self, put: int, skipped: int, failed: int, start: float) -> None:
-        with self._stats_lock:
-            self._stats.count("put_blocks", put)
-            self._stats.count("put_bytes", put * self._block_bytes)
-            self._stats.count("put_skipped_blocks", skipped)
-            self._stats.count("put_failures", failed)
-            self._stats.sample("put_durations_s", time.monotonic() - start)
+        with self._stats.update() as stats:
+            stats.count("put_blocks", put)
+            stats.count("put_bytes", put * self._block_bytes)
+            stats.count("put_skipped_blocks", skipped)
+            stats.count("put_failures", failed)
+            stats.sample("put_durations_s", time.monotonic() - start)
 
     def _warn_put(self, what: str) -> None:
         """At most one warning per ``_WARN_EVERY_S``: a full pool or an absent master would
@@ -189,10 +169,10 @@ class PoolWorkerHalf:
 
     # ---- load ----------------------------------------------------------------------------
 
-    def _load(self, load: BlockTransfer, deadline: float) -> LoadOutcome:
+    def _load(self, load: BlockTransfer, job: LoadJob[LoadOutcome]) -> LoadOutcome:
         """Get the load's blocks; keys that failed in a way worth repeating (a get is
-        idempotent) are asked again while ``deadline`` is ahead."""
-        start = time.monotonic()
+        idempotent) are asked again while the job's deadline is ahead. Never raises."""
+        start, deadline = time.monotonic(), job.deadline_s
         try:
             keys = block_keys(load.digests, self._key_rank)
             todo = list(range(len(keys)))
@@ -216,8 +196,8 @@ class PoolWorkerHalf:
                     len(failed),
                     describe(n),
                 )
-                with self._stats_lock:
-                    self._stats.count("get_retries")
+                with self._stats.update() as stats:
+                    stats.count("get_retries")
                 todo = [i for i, _ in failed]
                 time.sleep(min(pause_s, max(0.0, deadline - time.monotonic())))
                 pause_s *= 2
@@ -231,52 +211,36 @@ class PoolWorkerHalf:
         except Exception as e:
             return LoadOutcome(load.req_id, False, reason=f"{type(e).__name__}: {e}")
 
-    def _collect(self) -> list[LoadOutcome]:
-        out = []
-        now = time.monotonic()
-        for req_id, job in list(self._jobs.items()):
-            if job.future.done():
-                del self._jobs[req_id]
-                self._settled.append(req_id)
-                if not job.reported:
-                    out.append(job.future.result())  # _load never raises
-            elif not job.reported and now > job.deadline + REPORT_AFTER_S:
-                job.reported = True
-                reason = (
-                    f"not done {self._settings.load_timeout_s:g}s (load_timeout_s) after "
-                    "it started; its blocks stay pinned until it has ended"
-                )
-                out.append(LoadOutcome(req_id, False, reason=reason))
-        return out
+    def _overdue(self, job: LoadJob[LoadOutcome]) -> LoadOutcome:
+        reason = (
+            f"not done {self._settings.load_timeout_s:g}s (load_timeout_s) after "
+            "it started; its blocks stay pinned until it has ended"
+        )
+        return LoadOutcome(job.req_id, False, reason=reason)
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
-        for outcome in self._collect():
+        for outcome in self._jobs.collect(self._overdue):
             results.finished_recving.add(outcome.req_id)
-            with self._stats_lock:
+            with self._stats.update() as stats:
                 if outcome.ok:
-                    self._stats.count("loads")
-                    self._stats.count("get_blocks", outcome.blocks)
-                    self._stats.count("get_bytes", outcome.nbytes)
-                    self._stats.sample("get_durations_s", outcome.duration_s)
+                    stats.count("loads")
+                    stats.count("get_blocks", outcome.blocks)
+                    stats.count("get_bytes", outcome.nbytes)
+                    stats.sample("get_durations_s", outcome.duration_s)
                 else:
                     logger.warning(
                         "request %s: load from the pool failed: %s", outcome.req_id, outcome.reason
                     )
                     results.failed_recving.add(outcome.req_id)
-                    self._stats.count("load_failures")
+                    stats.count("load_failures")
         return results
 
     def build_worker_meta(self) -> MooncakeWorkerMeta | None:
-        meta, self._settled = MooncakeWorkerMeta.of(self._settled), []
-        return meta
+        return self._jobs.worker_meta()
 
     def get_stats(self) -> PoolStats | None:
-        with self._stats_lock:
-            if self._stats.is_empty():
-                return None
-            out, self._stats = self._stats, PoolStats()
-            return out
+        return self._stats.take()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
