@@ -174,3 +174,29 @@ async def http():
 
     async with client_session() as s:
         yield s
+
+
+@pytest.fixture
+async def start_proxy():
+    """``await start_proxy(prefill=[...], decode=[...], **config)`` → the URL of a proxy served
+    in the test's event loop (``harness.local_proxy.proxies``); all stop at test end."""
+    from harness.local_proxy import proxies
+
+    async with proxies() as start:
+        yield start
+
+
+@pytest.fixture
+async def start_fake():
+    """``await start_fake(Fake, *args, **options)`` → ``await Fake(*args, **options).start()``, a
+    fake backend (``test_proxy_faults``, ``test_proxy_prompt_lists``) stopped at test end."""
+    started = []
+
+    async def start(fake_class, *args, **options):
+        fake = await fake_class(*args, **options).start()
+        started.append(fake)
+        return fake
+
+    yield start
+    for fake in started:
+        await fake.stop()

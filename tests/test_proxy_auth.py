@@ -22,9 +22,8 @@ from mooncake_vllm.core.registry import ServingRecord, encode_serving, serving_k
 from mooncake_vllm.transfer.store_bridge import metadata_app
 from mooncake_vllm.transfer.stores import MemoryStore
 
-# The fake vLLM servers and the in-process proxy of test_proxy_faults.
-fakes, prefill, decode = faults.fakes, faults.prefill, faults.decode
-start_proxy, client = faults.start_proxy, faults.client
+# The fake vLLM servers of test_proxy_faults (the in-process proxy: conftest's start_proxy).
+fakes, prefill, decode, client = faults.fakes, faults.prefill, faults.decode, faults.client
 eventually, metric_value, HANDOFF = faults.eventually, faults.metric_value, faults.HANDOFF
 
 BODY = {"prompt": "x", "max_tokens": 4}

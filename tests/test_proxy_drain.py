@@ -22,13 +22,13 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.local_proxy import proxies
 from harness.servers import free_port
 from mooncake_vllm.proxy import drain
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.routing import DRAIN_RECHECK_S, BackendPool
-from mooncake_vllm.proxy.server import serve
 
 # ---- what a refusal looks like ------------------------------------------------------------------
 
@@ -231,21 +231,6 @@ class _serving:
         await self._runner.cleanup()
 
 
-async def _proxy(prefills: list[str], decodes: list[str]):
-    cfg = ProxyConfig(port=free_port(), prefill=prefills, decode=decodes, health_interval_s=0.2)
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(cfg, shutdown_trigger=stop.wait))
-    url = f"http://127.0.0.1:{cfg.port}"
-    async with aiohttp.ClientSession() as http:
-        for _ in range(200):
-            try:
-                async with http.get(url + "/health"):
-                    break
-            except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.05)
-    return url, stop, task
-
-
 async def _complete(http: aiohttp.ClientSession, url: str, stream: bool) -> str:
     body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream}
     async with http.post(url + "/v1/completions", json=body) as resp:
@@ -260,20 +245,19 @@ async def test_a_draining_backend_is_taken_out_at_once_and_no_request_fails(role
     async with contextlib.AsyncExitStack() as stack:
         urls = {r: [await stack.enter_async_context(_serving(f.app())) for f in fakes[r]]
                 for r in fakes}  # fmt: skip
-        proxy, stop, task = await _proxy(urls["prefill"], urls["decode"])
-        try:
-            async with aiohttp.ClientSession() as http:
-                answers = [await _complete(http, proxy, stream=i % 2 == 1) for i in range(8)]
-                async with http.get(proxy + "/health") as resp:
-                    health = await resp.json()
-                async with http.get(proxy + "/metrics") as resp:
-                    metrics = await resp.text()
-                await asyncio.sleep(1.0)  # five probe rounds: /health says 200 all along
-                async with http.get(proxy + "/health") as resp:
-                    later = await resp.json()
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 10)
+        start_proxy = await stack.enter_async_context(proxies())
+        proxy = await start_proxy(
+            prefill=urls["prefill"], decode=urls["decode"], health_interval_s=0.2
+        )
+        async with aiohttp.ClientSession() as http:
+            answers = [await _complete(http, proxy, stream=i % 2 == 1) for i in range(8)]
+            async with http.get(proxy + "/health") as resp:
+                health = await resp.json()
+            async with http.get(proxy + "/metrics") as resp:
+                metrics = await resp.text()
+            await asyncio.sleep(1.0)  # five probe rounds: /health says 200 all along
+            async with http.get(proxy + "/health") as resp:
+                later = await resp.json()
     draining, other = fakes[role]
     assert all("hello" in a or "tok" in a for a in answers)
     assert len(draining.seen) == 1, "the draining backend got a request after it refused one"

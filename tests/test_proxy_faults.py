@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from harness.local_proxy import start_app, wait_for_listener
 from harness.servers import free_port
-from mooncake_vllm.proxy.config import ProxyConfig
-from mooncake_vllm.proxy.server import serve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HANDOFF = {
@@ -95,11 +95,7 @@ class FakeVllm:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        # handler_cancellation: a handler learns that its client went away, as in vLLM.
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await self._runner.setup()
-        self.port = self.port or free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        self._runner, self.port = await start_app(app, self.port)
         return self
 
     async def stop(self) -> None:
@@ -154,18 +150,9 @@ class FakeVllm:
 
 
 @pytest.fixture
-async def fakes():
+def fakes(start_fake):
     """Start fake backends with ``await fakes("prefill", handoff=...)``; all stop at test end."""
-    started: list[FakeVllm] = []
-
-    async def start(role: str, **options: Any) -> FakeVllm:
-        fake = await FakeVllm(role, **options).start()
-        started.append(fake)
-        return fake
-
-    yield start
-    for fake in started:
-        await fake.stop()
+    return partial(start_fake, FakeVllm)
 
 
 @pytest.fixture
@@ -176,41 +163,6 @@ async def prefill(fakes) -> FakeVllm:
 @pytest.fixture
 async def decode(fakes) -> FakeVllm:
     return await fakes("decode")
-
-
-@pytest.fixture
-async def start_proxy():
-    """``await start_proxy(prefill=[...], decode=[...], **config)`` → the proxy's base URL."""
-    running: list[tuple[asyncio.Event, asyncio.Task]] = []
-
-    async def start(**config: Any) -> str:
-        cfg = ProxyConfig(port=free_port(), **config)
-        stop = asyncio.Event()
-        task = asyncio.create_task(serve(cfg, shutdown_trigger=stop.wait))
-        running.append((stop, task))
-        url = f"http://127.0.0.1:{cfg.port}"
-        await wait_for_listener(url, task)
-        return url
-
-    yield start
-    for stop, task in running:
-        stop.set()
-        await asyncio.wait_for(task, timeout=10)
-
-
-async def wait_for_listener(url: str, task: asyncio.Task | None = None, timeout_s: float = 10):
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if task is not None and task.done():
-                task.result()  # raises the startup error
-                raise AssertionError("proxy exited during startup")
-            try:
-                async with session.get(url + "/health"):
-                    return
-            except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.05)
-    raise AssertionError(f"nothing listening at {url} after {timeout_s}s")
 
 
 @pytest.fixture

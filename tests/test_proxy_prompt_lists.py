@@ -12,15 +12,14 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from harness.servers import free_port
-from mooncake_vllm.proxy.config import ProxyConfig
-from mooncake_vllm.proxy.server import serve
+from harness.local_proxy import start_app
 
 
 def _key(prompt: Any) -> str:
@@ -47,10 +46,7 @@ class PromptFake:
         app = web.Application()
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await self._runner.setup()
-        self.port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        self._runner, self.port = await start_app(app)
         return self
 
     async def stop(self) -> None:
@@ -111,42 +107,14 @@ class PromptFake:
 
 
 @pytest.fixture
-async def fakes():
-    started: list[PromptFake] = []
-
-    async def start(role: str, **options: Any) -> PromptFake:
-        fake = await PromptFake(role, **options).start()
-        started.append(fake)
-        return fake
-
-    yield start
-    for fake in started:
-        await fake.stop()
+def fakes(start_fake):
+    return partial(start_fake, PromptFake)
 
 
 @pytest.fixture
-async def proxy_for():
-    running: list[tuple[asyncio.Event, asyncio.Task]] = []
-
-    async def start(prefill: PromptFake, decode: PromptFake) -> str:
-        cfg = ProxyConfig(port=free_port(), prefill=[prefill.url], decode=[decode.url])
-        stop = asyncio.Event()
-        running.append((stop, asyncio.create_task(serve(cfg, shutdown_trigger=stop.wait))))
-        url = f"http://127.0.0.1:{cfg.port}"
-        deadline = time.monotonic() + 10
-        async with aiohttp.ClientSession() as session:
-            while True:
-                try:
-                    async with session.get(url + "/health"):
-                        return url
-                except aiohttp.ClientConnectionError:
-                    assert time.monotonic() < deadline, "proxy did not start"
-                    await asyncio.sleep(0.05)
-
-    yield start
-    for stop, task in running:
-        stop.set()
-        await asyncio.wait_for(task, timeout=10)
+def proxy_for(start_proxy):
+    """``await proxy_for(prefill, decode)`` → the URL of a proxy in front of the two fakes."""
+    return lambda prefill, decode: start_proxy(prefill=[prefill.url], decode=[decode.url])
 
 
 @pytest.fixture
