@@ -22,6 +22,7 @@ import zmq
 from test_connector_e2e import assert_failed_load
 
 from harness.pd import complete, eventually, greedy_body, two_legs
+from harness.servers import histogram_quantile
 from mooncake_vllm.core.auth import REPLY, REQUEST, load_keys, open_frame, seal_frame
 from mooncake_vllm.p2p.protocol import (
     OWNER_BYTES,
@@ -244,9 +245,12 @@ def _flood(address: str, sockets: int, seconds: float, sent) -> None:
     ctx.term()
 
 
-async def _timed_requests(http, pd, batch) -> list[float]:
+async def _plain_answers(http, pd, batch) -> list:
+    return [await complete(http, pd.plain, body(pd.model, p)) for p in batch]
+
+
+async def _timed_requests(http, pd, batch, refs) -> list[float]:
     """Latencies of two-leg requests at concurrency 2, each checked against plain's answer."""
-    refs = [await complete(http, pd.plain, body(pd.model, p)) for p in batch]
     sem, out = asyncio.Semaphore(2), []
 
     async def one(prompt, ref):
@@ -260,12 +264,36 @@ async def _timed_requests(http, pd, batch) -> list[float]:
     return out
 
 
+ACQUIRE_S = "mooncake_vllm:acquire_duration_seconds"
+INF = float("inf")
+
+
+async def acquires_since(pd, before: dict[float, float], n: int) -> dict[float, float]:
+    """The decode's acquire histogram once it holds ``n`` more acquires than ``before`` (one per
+    pull; a step's stats reach ``/metrics`` with the engine core's next output)."""
+    after: dict[float, float] = {}
+
+    def counted() -> bool:
+        nonlocal after
+        after = pd.decode.histogram(ACQUIRE_S)
+        return after.get(INF, 0.0) - before.get(INF, 0.0) >= n
+
+    await eventually(counted, timeout_s=10, what=f"{n} more acquires on the decode")
+    return after
+
+
 async def test_a_flood_of_junk_costs_real_requests_little(pd, http):
     """Two processes with four sockets each send junk for 10 s while real requests run: all
     answer as plain does, a lease nobody pulls still expires on time, the prefill's log gets a
-    line per ten seconds (not one per frame) and ``rejected_frames`` counts the junk. Latency
-    beside the flood is measured against the same requests without it, and printed."""
-    quiet = await _timed_requests(http, pd, prompts(seed=2405, n=12))
+    line per ten seconds (not one per frame) and ``rejected_frames`` counts the junk. Request
+    latency beside the flood is measured against the same requests without it and printed; the
+    decode's acquire p99 (its round trip crosses the flooded lease server) stays within 2x."""
+    quiet_batch, loud_batch = prompts(seed=2405, n=12), prompts(seed=2406, n=12)
+    quiet_refs = await _plain_answers(http, pd, quiet_batch)
+    loud_refs = await _plain_answers(http, pd, loud_batch)  # before the flood: it covers pulls
+    acquires0 = pd.decode.histogram(ACQUIRE_S)
+    quiet = await _timed_requests(http, pd, quiet_batch, quiet_refs)
+    acquires1 = await acquires_since(pd, acquires0, len(quiet_batch))
     expired0, rejected0 = pd.prefill.metric("mooncake_vllm:expired_total"), rejected(pd.prefill)
     h0 = await handoff(http, pd, prompts(seed=2404, n=1)[0])  # never pulled: it must expire
     issued = time.monotonic()
@@ -284,7 +312,8 @@ async def test_a_flood_of_junk_costs_real_requests_little(pd, http):
         p.start()
     t0 = time.monotonic()
     try:
-        loud = await _timed_requests(http, pd, prompts(seed=2406, n=12))
+        loud = await _timed_requests(http, pd, loud_batch, loud_refs)
+        loud_s = time.monotonic() - t0
     finally:
         for p in floods:
             p.join(timeout=30)
@@ -294,16 +323,29 @@ async def test_a_flood_of_junk_costs_real_requests_little(pd, http):
         timeout_s=max(0.5, pd.lease_ttl_s + 3 - (time.monotonic() - issued)),
         what="lease expiry within its TTL + 3 s",
     )
+    acquires2 = await acquires_since(pd, acquires1, len(loud_batch))
     frames = sum(v.value for v in sent)
     counted = await rejected_reaches(http, pd, rejected0 + 1000) - rejected0
     log = pd.prefill.process.log_path.read_bytes()[log_size0:].decode(errors="replace")
     lines = [x for x in log.splitlines() if "side-channel frames" in x]
+    quiet_p99_s = histogram_quantile(acquires0, acquires1, 0.99)
+    loud_p99_s = histogram_quantile(acquires1, acquires2, 0.99)
     print(
         f"\nflood: {frames} frames sent in {time.monotonic() - t0:.1f}s, {counted:.0f} "
-        f"counted as rejected, {len(lines)} log lines; "
-        f"latency p50 quiet {statistics.median(quiet):.3f}s, flood "
-        f"{statistics.median(loud):.3f}s; max {max(quiet):.3f}s / {max(loud):.3f}s"
+        f"counted as rejected, {len(lines)} log lines; requests ran {loud_s:.1f}s of the "
+        f"10s flood; latency p50 quiet {statistics.median(quiet):.3f}s, flood "
+        f"{statistics.median(loud):.3f}s; max {max(quiet):.3f}s / {max(loud):.3f}s; "
+        f"acquire p99 (bucket bound) quiet {1000 * quiet_p99_s:g}ms, flood "
+        f"{1000 * loud_p99_s:g}ms"
     )
+    # The acquire buckets step by 2x or 2.5x (0.5, 1, 2, 5, 10, 20, 50 ms, ...) and with 12
+    # acquires a phase's p99 is its slowest one. So one bucket up is within the resolution (1.9
+    # and 2.1 ms straddle a bound, as one scheduler hiccup on two shared cores does) and passes.
+    # Two buckets up fails: then the flood's p99 exceeds the bound above the quiet bucket, at
+    # least twice the quiet p99's own bound: more than 2x whatever the values inside the buckets.
+    # So it cannot fail within 2x, and (above the smallest bucket) cannot pass beyond 5x.
+    bounds = sorted(acquires2)
+    assert bounds.index(loud_p99_s) <= bounds.index(quiet_p99_s) + 1, (quiet_p99_s, loud_p99_s)
     assert len(lines) <= 4, lines
     assert len(log.encode()) < 100_000  # what a minute of requests logs, not a line per frame
     big_ok = Peer(address, load_keys(str(pd.secret_path), None))
