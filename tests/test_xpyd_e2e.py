@@ -545,10 +545,13 @@ async def _stop_gracefully(c: Cluster, load: SteadyLoad, name: str) -> tuple[dic
 
 async def _start_again(c: Cluster, name: str, facts: dict[str, float]) -> None:
     """Start ``name`` on its address again and wait until the proxy has it back in rotation."""
+    engine = c.engines[name]
+    role = "prefill" if engine.role == "kv_producer" else "decode"
     facts["restart_s"] = await asyncio.to_thread(c.start, [name])
     facts["rejoin_s"] = await asyncio.to_thread(
-        c.proxy.wait_for, f"{name} back in rotation", lambda: _pools_are(c), 30
-    )
+        c.proxy.wait_for, f"{name} back in rotation",
+        lambda: engine.url in c.proxy.pool(role, True), 30,
+    )  # fmt: skip
     print(f"\n{name} stopped gracefully and restarted: {facts}")
 
 
@@ -592,7 +595,8 @@ async def test_rolling_restart_under_load_fails_no_request(xpyd):
             http, c.engines["d1"].url, {**late_body, "kv_transfer_params": handoff}
         )
         p2, _ = await stopping
-        await _start_again(c, "p2", p2)
+        # p2 starts again while d2 is stopped (a start takes a minute here): d1 and p1 serve.
+        p2_back = asyncio.create_task(_start_again(c, "p2", p2))
         await load.answered(8)
 
         handoff = await _prefill_leg(http, c.engines["p1"].url, running_body)
@@ -607,7 +611,10 @@ async def test_rolling_restart_under_load_fails_no_request(xpyd):
                 if stopping is None:  # its first token is out: d2 is told to stop now
                     stopping = asyncio.create_task(_stop_gracefully(c, load, "d2"))
         d2, d2_drain = await stopping
-        await _start_again(c, "d2", d2)
+        await asyncio.gather(p2_back, _start_again(c, "d2", d2))
+        await asyncio.to_thread(
+            c.proxy.wait_for, "all four engines in rotation", lambda: _pools_are(c), 30
+        )
         await load.answered(8)
     took_s = time.monotonic() - t0
     failed = [(o.sent_s, str(o.result)) for o in load.outcomes if isinstance(o.result, Exception)]
