@@ -17,6 +17,7 @@ the pulls' own total time from decode's histogram.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import sys
 import tempfile
@@ -61,7 +62,13 @@ async def phase(http, model, decode, bodies: list[dict]) -> dict:
     else:
         await asyncio.sleep(1.0)  # the stream alone: a window of comparable length
     t1, cpu1 = time.monotonic(), decode.process.cpu_s()
-    await stream
+    # The first token after the window closes its last gap; the rest of the stream is not
+    # needed, and dropping it (vLLM aborts the request) keeps each phase as short as its window.
+    while not stream.done() and arrivals[-1] <= t1:
+        await asyncio.sleep(0.005)
+    stream.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await stream
     # Every gap between two tokens that overlaps the window, so a window shorter than one slow
     # step still has that step's gap.
     itls = [1000 * (b - a) for a, b in itertools.pairwise(arrivals) if a < t1 and b > t0]

@@ -124,7 +124,9 @@ def plot(samples: list[dict]):
     return draw
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, attach: tuple | None = None) -> int:
+    """``attach=(model, prefill, decode, proxy_url)``: soak servers someone else started (the
+    test suite's shared pair) instead of starting a one-host pair."""
     ap = common.base_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -136,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-bench-soak-"))
     log_dir = workdir / "logs"
     print(f"starting servers (logs in {log_dir})", flush=True)
-    model, prefill, decode, proxy, url = start(workdir, log_dir)
+    if attach is None:
+        model, prefill, decode, proxy, url = start(workdir, log_dir)
+    else:
+        (model, prefill, decode, url), proxy = attach, None
     try:
         ext_name = "vllm:prompt_tokens_by_source_total"
         ext0 = decode.metric(ext_name, source="external_kv_transfer")
@@ -154,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         c = {k: decode.metric(f"mooncake_vllm:{k}") - c0[k] for k in counters}
         h1 = {h: decode.histogram(f"mooncake_vllm:{h}") for h in h_names}
     finally:
-        proxy.stop()
-        decode.stop()
-        prefill.stop()
+        if attach is None:
+            proxy.stop()
+            decode.stop()
+            prefill.stop()
     ok = [s for s in samples if s["ok"]]
     ttft = [s["ttft_ms"] for s in ok if s["ttft_ms"] is not None]
 
@@ -190,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         "log_dir": str(log_dir),
         "errors": sorted({s["error"] for s in samples if s["error"]})[:20],
     }
+    where = "one host (127.0.0.1)" if attach is None else f"{prefill.url} -> {decode.url}"
     notes = [
-        "one host (127.0.0.1), vLLM's default kv_load_failure_policy (fail), TCP, P2P handshake",
+        f"{where}, vLLM's default kv_load_failure_policy (fail), TCP, P2P handshake",
         "quantiles of our histograms are bucket upper bounds",
     ]
     paths = common.write_result(
