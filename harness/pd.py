@@ -276,11 +276,11 @@ async def minimal_proxy(
 
 
 async def eventually(check, timeout_s: float = 15.0, what: str = "condition") -> float:
-    """Poll ``check()`` every 0.25 s until it is true; the seconds it took, or AssertionError."""
+    """Poll ``check()`` every 50 ms until it is true; the seconds it took, or AssertionError."""
     t0 = time.monotonic()
     while not check():
         assert time.monotonic() - t0 < timeout_s, f"{what}: not reached within {timeout_s:g}s"
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.05)
     return time.monotonic() - t0
 
 
