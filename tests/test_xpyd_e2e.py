@@ -91,7 +91,7 @@ class Engine:
         top = {"engine_id": f"xpyd-{self.name}"}
         if self.role == "kv_consumer":
             top["kv_load_failure_policy"] = "recompute"
-        # One process for engine core and worker: 4 engines + plain on 2 cores.
+        # One process for engine core and worker: 4 engines beside the shared cluster.
         return [*kv_args(self.role, extra, **top), "--distributed-executor-backend", "uni",
                 "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]  # fmt: skip
 
@@ -124,16 +124,11 @@ class Cluster:
         self.plain: servers.VllmServer | None = None
         self.proxy: ProxyServer | None = None
 
-    def start(self, names: list[str], with_plain: bool = False) -> float:
-        """Start engines (and the plain reference) together; seconds until all are healthy."""
+    def start(self, names: list[str]) -> float:
+        """Start engines together; seconds until all are healthy."""
         t0 = time.monotonic()
-        with ThreadPoolExecutor(len(names) + 1) as pool:
+        with ThreadPoolExecutor(len(names)) as pool:
             futures = {n: pool.submit(self._start_one, n) for n in names}
-            if with_plain:
-                futures["plain"] = pool.submit(
-                    servers.start_vllm, self.model, name="xpyd-plain",
-                    args=["--distributed-executor-backend", "uni"], timeout_s=900,
-                )  # fmt: skip
             errors = []
             for n, f in futures.items():
                 try:
@@ -141,10 +136,7 @@ class Cluster:
                 except Exception as e:
                     errors.append(e)
                     continue
-                if n == "plain":
-                    self.plain = srv
-                else:
-                    self.servers[n] = srv
+                self.servers[n] = srv
         if errors:
             raise errors[0]
         return time.monotonic() - t0
@@ -185,13 +177,15 @@ class Cluster:
         return Drain(exited_s, proc.proc.returncode, last, log)
 
     def stop(self) -> None:
-        for srv in [self.proxy, *self.servers.values(), self.plain]:
+        for srv in [self.proxy, *self.servers.values()]:
             if srv is not None:
                 srv.stop()
 
 
 @pytest.fixture(scope="module")
-def xpyd(tiny_model, tmp_path_factory):
+def xpyd(tiny_model, cluster, tmp_path_factory):
+    """Four engines, a proxy discovering them; the references come from the shared cluster's
+    plain server (same model), so no fifth vLLM starts here."""
     etcd = servers.start_etcd()
     etcd_url = f"etcd://{etcd.host}:{etcd.port}"
     where = tmp_path_factory.mktemp("xpyd")
@@ -201,11 +195,13 @@ def xpyd(tiny_model, tmp_path_factory):
     config = where / "mooncake.json"
     config.write_text(json.dumps({"metadata_server": etcd_url, "metadata_ttl_s": METADATA_TTL_S,
                                   "auth_secret_file": str(secret)}))  # fmt: skip
+    shared = cluster
     cluster = Cluster(tiny_model, {"MOONCAKE_CONFIG_PATH": str(config)}, etcd_url)
     failed = True
     try:
-        start_s = cluster.start(list(cluster.engines), with_plain=True)
-        print(f"\n4 engines + plain healthy in {start_s:.0f}s")
+        start_s = cluster.start(list(cluster.engines))
+        cluster.plain = shared.plain
+        print(f"\n4 engines healthy in {start_s:.0f}s")
         p1 = cluster.engines["p1"]
         cluster.proxy = start_proxy(
             ["--prefill", p1.url, "--discover", etcd_url, "--auth-secret-file", str(secret),
@@ -217,7 +213,7 @@ def xpyd(tiny_model, tmp_path_factory):
         failed = False
     finally:
         if failed:
-            for srv in [cluster.proxy, *cluster.servers.values(), cluster.plain, etcd]:
+            for srv in [cluster.proxy, *cluster.servers.values(), etcd]:
                 if srv is not None:
                     proc = srv.process
                     print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
