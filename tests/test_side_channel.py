@@ -30,7 +30,12 @@ from mooncake_vllm.p2p.protocol import (
     decode_frame,
     encode_frame,
 )
-from mooncake_vllm.p2p.side_channel import PeerGuard, SideChannelClient, SideChannelError
+from mooncake_vllm.p2p.side_channel import (
+    PeerGuard,
+    SideChannelClient,
+    SideChannelError,
+    abuse_pause_s,
+)
 
 OWNER = b"o" * OWNER_BYTES
 
@@ -523,3 +528,48 @@ def test_a_rate_below_one_frame_per_two_seconds_still_admits_frames():
     assert not guard.admit(b"a")
     clock.now_s += 4.0
     assert guard.admit(b"a")
+
+
+# ---- the lease server's duty cycle under a flood -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("frames", "dropped", "busy_s", "pause_s"),
+    [
+        (0, 0, 0.0, 0.0),  # idle
+        (10, 10, 0.001, 0.0),  # a few bad frames: not a flood
+        (256, 100, 0.005, 0.0),  # a busy batch of mostly real frames is never slowed
+        (256, 200, 0.002, 0.006),  # mostly junk: three times the batch's time
+        (256, 256, 0.05, 0.01),  # capped: a real frame waits at most one pause
+    ],
+)
+def test_the_lease_server_rests_only_after_batches_of_junk(frames, dropped, busy_s, pause_s):
+    assert abuse_pause_s(frames, dropped, busy_s) == pytest.approx(pause_s)
+
+
+def test_serve_ready_reads_a_bounded_batch_and_counts_its_drops():
+    from mooncake_vllm.p2p.leases.table import LeaseTable
+    from mooncake_vllm.p2p.side_channel import SideChannelServer
+
+    ctx = zmq.Context()
+    port = free_port()
+    server = SideChannelServer(
+        "127.0.0.1", port, LeaseTable(10.0, 1 << 30, 1.0), lambda: ("seg", []), context=ctx
+    )
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    try:
+        peer.connect(f"tcp://127.0.0.1:{port}")
+        for _ in range(50):
+            peer.send(b"\x00junk")
+        deadline = time.monotonic() + 5
+        while not server.sock.poll(0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # all 50 queued
+        assert server.serve_ready(max_frames=20) == (20, 20)
+        assert server.serve_ready(max_frames=100) == (30, 30)
+        assert server.serve_ready() == (0, 0)
+    finally:
+        peer.close()
+        server.close()
+        ctx.term()

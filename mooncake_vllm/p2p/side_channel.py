@@ -55,6 +55,9 @@ _DROP_LOG_INTERVAL_S = 10.0
 _PEER_QUEUE = 64
 # A peer silent this long leaves the guard's table.
 _PEER_IDLE_S = 60.0
+# Abuse duty cycle (``abuse_pause_s``).
+_ABUSE_MIN_FRAMES = 64
+_ABUSE_MAX_PAUSE_S = 0.01
 
 
 class SideChannelError(RuntimeError):
@@ -106,10 +109,26 @@ class PeerGuard:
     def drop(self, reason: str) -> None:
         self.dropped[reason] += 1
 
+    def dropped_total(self) -> int:
+        """Frames dropped since the last ``take_dropped``."""
+        return self.dropped.total() - self.dropped["peers evicted"]
+
     def take_dropped(self) -> dict[str, int]:
         out, self.dropped = dict(self.dropped), Counter()
         out.pop("peers evicted", None)  # not a dropped frame
         return out
+
+
+def abuse_pause_s(frames: int, dropped: int, busy_s: float) -> float:
+    """How long the lease server's loop rests after a batch, so that junk cannot keep it busy
+    (it runs at a raised priority, beside vLLM's engines): after a batch of at least
+    ``_ABUSE_MIN_FRAMES`` frames, most of them dropped, three times the batch's own time, at most
+    ``_ABUSE_MAX_PAUSE_S``. Under a flood the loop then works about a quarter of the time; real
+    frames are fair-queued with the junk by ZeroMQ and wait at most one pause, and the junk
+    backs up into its senders' sockets."""
+    if frames < _ABUSE_MIN_FRAMES or 2 * dropped <= frames:
+        return 0.0
+    return min(_ABUSE_MAX_PAUSE_S, 3 * busy_s)
 
 
 class SideChannelServer:
@@ -162,9 +181,14 @@ class SideChannelServer:
             ) from e
         self.address = f"{host}:{port}"
 
-    def serve_ready(self) -> None:
-        """Answers every frame that has arrived; never blocks."""
-        while self.sock.poll(0):
+    def serve_ready(self, max_frames: int = 256) -> tuple[int, int]:
+        """Answers up to ``max_frames`` of the frames that have arrived (the loop's other duties,
+        lease expiry among them, come between batches); never blocks. Returns the frames read
+        and how many of them were dropped (junk, rate-limited, refused as unknown)."""
+        dropped0 = self.guard.dropped_total()
+        frames = 0
+        while frames < max_frames and self.sock.poll(0):
+            frames += 1
             parts = self.sock.recv_multipart(copy=True)
             if len(parts) != 2:  # a DEALER sends one part; the ROUTER adds the identity
                 self.guard.drop("malformed")
@@ -172,6 +196,7 @@ class SideChannelServer:
             identity, payload = parts
             if self.guard.admit(identity):
                 self._handle(identity, payload)
+        return frames, self.guard.dropped_total() - dropped0
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         try:

@@ -43,7 +43,12 @@ from mooncake_vllm.core.os_threads import (
 from mooncake_vllm.p2p.leases.table import LeaseTable
 from mooncake_vllm.p2p.local_channels import WakeSender
 from mooncake_vllm.p2p.protocol import MemSegment
-from mooncake_vllm.p2p.side_channel import PeerGuard, SideChannelError, SideChannelServer
+from mooncake_vllm.p2p.side_channel import (
+    PeerGuard,
+    SideChannelError,
+    SideChannelServer,
+    abuse_pause_s,
+)
 
 logger = logging.getLogger("mooncake_vllm.p2p.leases.process")
 
@@ -186,8 +191,11 @@ class LeaseServer:
                 try:
                     poller.poll(self._poll_timeout_ms())
                     self._read_commands()  # first: a hold precedes its handoff's acquire
+                    t0, frames, dropped = time.monotonic(), 0, 0
                     for srv in self._servers:
-                        srv.serve_ready()
+                        f, d = srv.serve_ready()
+                        frames, dropped = frames + f, dropped + d
+                    pause_s = abuse_pause_s(frames, dropped, time.monotonic() - t0)
                     for table in self._tables:
                         table.expire()
                     self._report()
@@ -195,6 +203,8 @@ class LeaseServer:
                     if errors:
                         logger.info("recovered after %d errors", errors)
                     errors = 0
+                    if pause_s:
+                        time.sleep(pause_s)
                 except Exception:  # the engine must outlive any bad frame or peer
                     errors += 1
                     if time.monotonic() - logged_at >= _ERROR_LOG_INTERVAL_S:
