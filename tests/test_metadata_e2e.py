@@ -1,16 +1,23 @@
 """Each metadata store end to end: a real store, prefill on 127.0.0.2 and decode on 127.0.0.3
 configured from the example in configs/, outputs token-equal to a plain vLLM, prompts moved by
-transfer; the engine registry; restarts of a peer and of the store.
+transfer; the engine registry; restarts of a peer, and of the store while requests flow through
+the proxy.
+
+One pair of vLLM servers per store serves every check of that store (a vLLM start costs most of a
+minute of a core here); the vLLM that must stop at startup starts beside the first pair.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -20,13 +27,18 @@ from harness import servers
 from harness.pd import (
     DECODE_HOST,
     PREFILL_HOST,
+    PULL_COUNTERS,
     ServerSpec,
     complete,
+    eventually,
     greedy_body,
     kv_args,
+    pulls_since,
     start_many,
+    tokens_by_transfer,
     two_legs,
 )
+from harness.xpyd import ProxyServer, start_proxy
 from mooncake_vllm.core.registry import decode_record, registry_key
 from mooncake_vllm.transfer.stores import open_store, parse_metadata_server
 
@@ -37,16 +49,23 @@ MAX_TOKENS = 8
 # The shared P2P pair uses the examples' ports on these hosts: this pair takes its own.
 PREFILL_PORT, DECODE_PORT = 13203, 13212
 METADATA_TTL_S = 6.0  # heartbeat every 2 s: a returning store is refilled quickly
+# The store stays down longer than the engines' metadata refresh (5 s with a store) and the
+# bridges' heartbeat (2 s): both meet the dead store while requests flow.
+OUTAGE_S = 7.0
+LOAD_CONCURRENCY = 4
+# Every request through the proxy answers within this, or the test says which one hung.
+REQUEST_DEADLINE_S = 60.0
+STORES = {
+    "etcd": servers.start_etcd,
+    "redis": servers.start_redis,
+    "http": servers.start_http_metadata,
+}
 
 
 class Pair:
     def __init__(self, kind: str, model: str, tmp_path: Path, log_on_failure):
         self.kind, self.model = kind, model
-        self.store_server = {
-            "etcd": servers.start_etcd,
-            "redis": servers.start_redis,
-            "http": servers.start_http_metadata,
-        }[kind]()
+        self.store_server = STORES[kind]()
         log_on_failure(self.store_server)
         # The user's example file, pointed at the store this test started.
         cfg = json.loads((CONFIGS / f"mooncake-tcp-{kind}.json").read_text())
@@ -91,6 +110,39 @@ class Pair:
         setattr(self, which, new)
         return time.monotonic() - start
 
+    def kill_store(self) -> None:
+        """SIGKILL the store: no clean shutdown, connections drop."""
+        os.killpg(self.store_server.process.proc.pid, signal.SIGKILL)
+        self.store_server.stop()  # reaps it
+
+    def restart_store(self, keep_data: bool) -> None:
+        """Start the killed store again on the same address: with its data (etcd's data dir, as
+        a restarted member has it) or empty (redis without persistence, an http server with a
+        fresh file)."""
+        old = self.store_server
+        more = {"data_dir": old.data_dir} if keep_data else {}
+        self.store_server = STORES[self.kind](port=old.port, **more)
+
+    @property
+    def store_url(self) -> str:
+        """The store as ``proxy_server.py --discover`` takes it."""
+        where = f"{self.store_server.host}:{self.store_server.port}"
+        return {
+            "etcd": f"etcd://{where}",
+            "redis": f"redis://{where}",
+            "http": f"http://{where}/metadata",
+        }[self.kind]
+
+    def engine_keys(self) -> list[str]:
+        """What each engine's bridge keeps in the store: its registry record and its transfer
+        engine's segment."""
+        return [
+            registry_key(self.prefill_id, 0),
+            f"mooncake/ram/{PREFILL_HOST}:{PREFILL_PORT}",
+            registry_key(self.decode_id, 0),
+            f"mooncake/ram/{DECODE_HOST}:{DECODE_PORT}",
+        ]
+
     async def store_get(self, key: str) -> bytes | None:
         store = open_store(self.target)
         try:
@@ -99,8 +151,9 @@ class Pair:
             await store.close()
 
     def stop(self) -> None:
-        for srv in (self.decode, self.prefill, self.store_server):
-            srv.stop()
+        with ThreadPoolExecutor(2) as pool:  # each vLLM takes seconds to shut down
+            list(pool.map(lambda srv: srv.stop(), (self.decode, self.prefill)))
+        self.store_server.stop()
 
 
 def _prompt(seed: int, n: int = 300) -> list[int]:
@@ -183,10 +236,152 @@ async def _pulled_at_once(pd, pair: Pair, http, seed: int) -> float:
     return time.monotonic() - start
 
 
-async def test_etcd_seed_form_and_a_restarted_producer(pd, http, tmp_path, log_on_failure):
+@dataclass
+class _Sent:
+    """One request of the load: what was asked, in which phase of the store, what came back."""
+
+    seed: int
+    stream: bool
+    proxy: str
+    phase: str
+    token_ids: list[int] | None = None
+    error: str | None = None
+
+
+class _Load:
+    """``LOAD_CONCURRENCY`` clients sending distinct prompts through the proxies (each client
+    keeps to one proxy), streamed and not by turns, until ``stop``. Each request is tagged with
+    the store's phase when it was sent; an error or a missed deadline is recorded, not raised."""
+
+    def __init__(self, http, model: str, proxies: list[ProxyServer], first_seed: int):
+        self.http, self.model, self.proxies = http, model, proxies
+        self.phase = "up"
+        self.sent: list[_Sent] = []
+        self._next_seed = first_seed
+        self._stopping = asyncio.Event()
+        self._tasks = [
+            asyncio.create_task(self._client(proxies[i % len(proxies)]))
+            for i in range(LOAD_CONCURRENCY)
+        ]
+
+    async def _client(self, proxy: ProxyServer) -> None:
+        while not self._stopping.is_set():
+            seed, self._next_seed = self._next_seed, self._next_seed + 1
+            sent = _Sent(seed, stream=seed % 2 == 1, proxy=proxy.url, phase=self.phase)
+            self.sent.append(sent)
+            body = {**_body(self.model, _prompt(seed)), "stream": sent.stream}
+            try:
+                answer = await asyncio.wait_for(
+                    complete(self.http, proxy.url, body), REQUEST_DEADLINE_S
+                )
+                sent.token_ids = answer.token_ids
+            except TimeoutError:
+                sent.error = f"no answer within {REQUEST_DEADLINE_S:g}s"
+            except Exception as e:
+                sent.error = f"{type(e).__name__}: {e}"
+
+    def answered(self, phase: str) -> int:
+        return sum(
+            s.phase == phase and (s.token_ids is not None or s.error is not None) for s in self.sent
+        )
+
+    async def until_answered(self, phase: str, n: int) -> None:
+        await eventually(lambda: self.answered(phase) >= n, 60, f"{n} answers while {phase}")
+
+    async def stop(self) -> list[_Sent]:
+        """Let each client finish the request it is in, then return every request sent."""
+        self._stopping.set()
+        await asyncio.gather(*self._tasks)
+        return self.sent
+
+    async def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _start_proxies(pair: Pair) -> list[ProxyServer]:
+    """The proxy as the README starts it (the pair's URLs), and one that finds both engines in
+    the store (``--discover``)."""
+    static, discovering = await asyncio.gather(
+        asyncio.to_thread(
+            start_proxy, ["--prefill", pair.prefill.url, "--decode", pair.decode.url]
+        ),
+        asyncio.to_thread(start_proxy, ["--discover", pair.store_url]),
+    )
+    for proxy in (static, discovering):
+        await eventually(
+            lambda p=proxy: p.health()["status"] == "ok", 20, "both engines in rotation"
+        )
+    return [static, discovering]
+
+
+async def _store_restart_under_load(
+    pd, pair: Pair, http, log_on_failure, keep_data: bool, first_seed: int
+) -> None:
+    """Requests flow through the proxies while the store is killed, stays down ``OUTAGE_S``
+    and comes back on the same address. Engines that know each other need no store: a handoff
+    names the producer's side channel, and each bridge answers its engine from its cache. So
+    every request answers, token-exact, every prompt moved by transfer, no pull failing."""
+    proxies = await _start_proxies(pair)
+    for proxy in proxies:
+        log_on_failure(proxy)
+    decode = pair.decode
+    before = PULL_COUNTERS.read(decode)
+    load = _Load(http, pd.model, proxies, first_seed)
+    try:
+        await load.until_answered("up", LOAD_CONCURRENCY)
+        await asyncio.to_thread(pair.kill_store)
+        load.phase = "down"
+        down_at = time.monotonic()
+        await load.until_answered("down", LOAD_CONCURRENCY)
+        await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))
+        await asyncio.to_thread(pair.restart_store, keep_data)
+        log_on_failure(pair.store_server)
+        load.phase = "back"
+        # Each engine's bridge republishes its keys on its next heartbeat (an empty store).
+        deadline = time.monotonic() + 3 * METADATA_TTL_S
+        for key in pair.engine_keys():
+            while await pair.store_get(key) is None:
+                assert time.monotonic() < deadline, f"{key} not in the store after it returned"
+                await asyncio.sleep(0.25)
+        load.phase = "after"
+        await load.until_answered("after", 2 * LOAD_CONCURRENCY)
+        sent = await load.stop()
+    finally:
+        await load.cancel()  # a no-op unless a step above failed
+        for proxy in proxies:
+            proxy.stop()
+
+    failed = [s for s in sent if s.error is not None]
+    assert not failed, f"{len(failed)} of {len(sent)} requests failed: {failed[:4]}"
+    refs = await asyncio.gather(
+        *(complete(http, pd.plain, _body(pd.model, _prompt(s.seed))) for s in sent)
+    )
+    wrong = [s for s, ref in zip(sent, refs, strict=True) if s.token_ids != ref.token_ids]
+    assert not wrong, f"{len(wrong)} of {len(sent)} answers differ from plain: {wrong[:4]}"
+    moved = await pulls_since(decode, before, len(sent), timeout_s=15)
+    assert (moved["pulls"], moved["pull_failures"]) == (len(sent), 0)
+    phases = {p: sum(s.phase == p for s in sent) for p in ("up", "down", "back", "after")}
+    print(f"{pair.kind} restart under load: {len(sent)} requests {phases}, all pulled")
+
+    # Requests after the restart are still served by transfer (the decode's own counters).
+    ext0 = tokens_by_transfer(decode)
+    for seed in (first_seed - 1, first_seed - 2):
+        assert await _handover(pd, pair, http, seed)
+    assert tokens_by_transfer(decode) - ext0 >= 2 * (300 - 1)
+    assert PULL_COUNTERS.since(decode, before)["pull_failures"] == 0
+
+
+async def test_etcd_seed_form_restart_under_load_and_a_restarted_producer(
+    pd, http, tmp_path, log_on_failure
+):
     pair = Pair("etcd", pd.model, tmp_path, log_on_failure)
     try:
         await _check_basics(pd, pair, http)
+        await _store_restart_under_load(
+            pd, pair, http, log_on_failure, keep_data=True, first_seed=1000
+        )
         # A handoff of the producer's previous life, to be used after its restart.
         old_prompt = _prompt(9)
         ask = {**_body(pd.model, old_prompt), "max_tokens": 1}
@@ -216,29 +411,16 @@ async def test_etcd_seed_form_and_a_restarted_producer(pd, http, tmp_path, log_o
         pair.stop()
 
 
-async def test_redis_outage_and_a_restarted_consumer(pd, http, tmp_path, log_on_failure):
+async def test_redis_restart_under_load_and_a_restarted_consumer(
+    pd, http, tmp_path, log_on_failure
+):
     pair = Pair("redis", pd.model, tmp_path, log_on_failure)
     try:
         await _check_basics(pd, pair, http)
-        # The store goes away (and loses everything): peers that know each other keep going.
-        port = pair.store_server.port
-        pair.store_server.stop()
-        assert await _handover(pd, pair, http, seed=20)
-        # It comes back empty: every engine's keys are published again within a heartbeat.
-        pair.store_server = servers.start_redis(port=port)
-        log_on_failure(pair.store_server)
-        deadline = time.monotonic() + 3 * METADATA_TTL_S
-        for key in (  # each engine's bridge republishes on its own heartbeat
-            registry_key(pair.prefill_id, 0),
-            f"mooncake/ram/{PREFILL_HOST}:{PREFILL_PORT}",
-            registry_key(pair.decode_id, 0),
-            f"mooncake/ram/{DECODE_HOST}:{DECODE_PORT}",
-        ):
-            while await pair.store_get(key) is None:
-                assert time.monotonic() < deadline, (
-                    f"{key} not republished after the store returned"
-                )
-                await asyncio.sleep(0.25)
+        # The store goes away under load and comes back empty: every request answers.
+        await _store_restart_under_load(
+            pd, pair, http, log_on_failure, keep_data=False, first_seed=2000
+        )
         # A consumer crashed and restarted under the same name pulls again.
         pair.restart("decode")
         usable_s = await _pulled_at_once(pd, pair, http, seed=30)
@@ -247,10 +429,13 @@ async def test_redis_outage_and_a_restarted_consumer(pd, http, tmp_path, log_on_
         pair.stop()
 
 
-async def test_http_metadata_server(pd, http, tmp_path, log_on_failure):
+async def test_http_metadata_server_and_its_restart(pd, http, tmp_path, log_on_failure):
     pair = Pair("http", pd.model, tmp_path, log_on_failure)
     try:
         await _check_basics(pd, pair, http)
+        await _store_restart_under_load(
+            pd, pair, http, log_on_failure, keep_data=False, first_seed=3000
+        )
     finally:
         keys = [registry_key(pair.decode_id, 0), f"mooncake/ram/{DECODE_HOST}:{DECODE_PORT}"]
         pair.decode.stop()
@@ -258,18 +443,33 @@ async def test_http_metadata_server(pd, http, tmp_path, log_on_failure):
         pair.stop()
 
 
-def test_unreachable_store_stops_vllm_at_startup(tiny_model, tmp_path):
+@pytest.fixture(scope="module", autouse=True)
+def unreachable_store_start(tiny_model, tmp_path_factory):
+    """The start of a vLLM whose store nobody serves, begun as the module starts: it runs on one
+    core for most of a minute before it stops, beside the first pair's start."""
     port = servers.free_port()
-    config = tmp_path / "mooncake.json"
+    config = tmp_path_factory.mktemp("unreachable") / "mooncake.json"
     config.write_text(json.dumps({"metadata_server": f"redis://127.0.0.1:{port}"}))
-    with pytest.raises(servers.ServerStartError) as exc:
-        servers.start_vllm(
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(
+            servers.start_vllm,
             tiny_model,
             name="unreachable-store",
             args=kv_args("kv_consumer"),
             env={"MOONCAKE_CONFIG_PATH": str(config)},
-            timeout_s=180,
+            timeout_s=300,
         )
+        yield port, started
+        with contextlib.suppress(Exception):  # it started after all: its test failed on that
+            started.result().stop()
+
+
+def test_unreachable_store_stops_vllm_at_startup(
+    unreachable_store_start: tuple[int, Future],
+):
+    port, started = unreachable_store_start
+    with pytest.raises(servers.ServerStartError) as exc:
+        started.result(timeout=300).stop()
     message = str(exc.value)
     assert "exited" in message  # it stopped by itself, not at the harness's deadline
     assert f"metadata_server (redis redis://127.0.0.1:{port}) cannot be used" in message
