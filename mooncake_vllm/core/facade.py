@@ -3,9 +3,10 @@ scheduler half (role SCHEDULER, in the engine-core process) and a worker half (r
 every worker process). The halves share no memory; they speak through the per-step connector
 metadata (scheduler → workers) and the workers' ``MooncakeWorkerMeta`` (workers → scheduler).
 
-``HalvesConnector`` forwards every hook whose meaning is the same for both connectors; each
-connector builds its halves and adds what is its own (``start_load_kv``'s metadata type, saving,
-the P2P handshake, its stats classes).
+``HalvesConnector`` does the startup both connectors share (refuse sleep mode, vLLM logging, then
+``_prepare_process`` once the settings are valid) and forwards every hook whose meaning is the same
+for both; each connector names its metadata and stats classes, builds its halves in
+``_build_halves`` and adds what is its own (saving, the P2P handshake).
 
 A half provides: scheduler half ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
 ``build_connector_meta``, ``request_finished(request, block_ids)``, ``bind_block_pool``,
@@ -21,21 +22,67 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from mooncake_vllm.core import os_threads
 from mooncake_vllm.core.loads import MooncakeWorkerMeta
+from mooncake_vllm.core.prom import ConnectorPromMetrics
+from mooncake_vllm.core.sleep_mode import refuse_sleep_mode
+from mooncake_vllm.plugin import use_vllm_logging
+from mooncake_vllm.vllm_glue import Probe, check_vllm, shorten_queue_spin
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from mooncake_vllm.core.settings import SharedSettings
 
 
 class HalvesConnector(KVConnectorBase_V1):
     _scheduler: Any = None  # set by the subclass for role SCHEDULER
     _worker: Any = None  # set by the subclass for role WORKER
+    # What each connector names: the scheduler → workers metadata its worker half takes, and
+    # the stats classes vLLM builds in its logging process.
+    metadata_type: type[KVConnectorMetadata]
+    stats_type: type[KVConnectorStats]
+    prom_metrics_type: type[ConnectorPromMetrics]
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        refuse_sleep_mode(vllm_config, type(self).__name__)  # before anything is registered
+        use_vllm_logging()  # also when loaded by kv_connector_module_path, without the plugin
+        self._build_halves(vllm_config, kv_cache_config)
+
+    def _build_halves(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None):
+        """Load and validate the connector's settings (so a bad config stops vLLM at startup),
+        call ``_prepare_process``, then set ``_scheduler`` (role SCHEDULER) or ``_worker``."""
+        raise NotImplementedError
+
+    def _prepare_process(self, settings: SharedSettings) -> Probe:
+        """Once the settings are valid, in both roles: check vLLM's internals (raises unless
+        ``allow_untested_vllm``), set the threads' OS policy, shorten vLLM's queue spin."""
+        probe = check_vllm(settings.allow_untested_vllm)
+        os_threads.set_policy(settings.thread_priority)
+        shorten_queue_spin(settings.vllm_busy_loop_s)
+        return probe
 
     # ---- worker side ---------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, self.metadata_type)
+        self._worker.start_load_kv(meta)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)
@@ -93,3 +140,13 @@ class HalvesConnector(KVConnectorBase_V1):
         # connectors); ours: destination blocks still pinned under a load that outlived its
         # request.
         return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    # ---- stats (class-level hooks vLLM calls in its logging process) ---------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return cls.stats_type(data=data) if data is not None else cls.stats_type()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return cls.prom_metrics_type(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -19,24 +19,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from mooncake_vllm.core import os_threads
 from mooncake_vllm.core.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.core.facade import HalvesConnector
 from mooncake_vllm.core.identity import engine_compat_hash, engine_kv_layout, kv_is_replicated
 from mooncake_vllm.core.model_identity import engine_model_identity
-from mooncake_vllm.core.sleep_mode import refuse_sleep_mode
 from mooncake_vllm.p2p.config import load_settings, resolve
 from mooncake_vllm.p2p.leases.client import RankLayout
 from mooncake_vllm.p2p.protocol import MemSegment
 from mooncake_vllm.p2p.scheduler import SchedulerHalf
 from mooncake_vllm.p2p.stats import MooncakePromMetrics, MooncakeStats
 from mooncake_vllm.p2p.step_metadata import MooncakeConnectorMetadata
-from mooncake_vllm.plugin import use_vllm_logging
-from mooncake_vllm.vllm_glue import check_vllm, shorten_gil_switch_interval, shorten_queue_spin
+from mooncake_vllm.vllm_glue import shorten_gil_switch_interval
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = logging.getLogger(__name__)
@@ -53,20 +49,14 @@ class MooncakeHandshake(KVConnectorHandshakeMetadata):
 
 
 class MooncakeConnector(HalvesConnector):
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
-    ):
-        super().__init__(vllm_config, role, kv_cache_config)
-        refuse_sleep_mode(vllm_config, "MooncakeConnector")  # before anything is registered
-        use_vllm_logging()  # also when loaded by kv_connector_module_path, without the plugin
+    metadata_type = MooncakeConnectorMetadata
+    stats_type = MooncakeStats
+    prom_metrics_type = MooncakePromMetrics
+
+    def _build_halves(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None):
         ktc = vllm_config.kv_transfer_config
         settings = load_settings(ktc.kv_connector_extra_config)
-        probe = check_vllm(settings.allow_untested_vllm)
-        os_threads.set_policy(settings.thread_priority)
-        shorten_queue_spin(settings.vllm_busy_loop_s)
+        probe = self._prepare_process(settings)
         self._cfg = resolve(
             settings,
             ktc.kv_role,
@@ -78,7 +68,7 @@ class MooncakeConnector(HalvesConnector):
         model_identity = engine_model_identity(vllm_config, settings.model_identity)
         compat = engine_compat_hash(vllm_config, model_identity)
         replicated = kv_is_replicated(vllm_config)  # MLA: any TP size on either side
-        if role == KVConnectorRole.SCHEDULER:
+        if self.role == KVConnectorRole.SCHEDULER:
             warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
             self._scheduler = SchedulerHalf(
                 self._cfg,
@@ -105,11 +95,6 @@ class MooncakeConnector(HalvesConnector):
 
     # ---- worker side ---------------------------------------------------------------------
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, MooncakeConnectorMetadata)
-        self._worker.start_load_kv(meta)
-
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return  # pull design: the producer saves nothing, consumers read its blocks
 
@@ -129,13 +114,3 @@ class MooncakeConnector(HalvesConnector):
         }
         if self._scheduler is not None:
             self._scheduler.set_layouts(layouts)
-
-    # ---- stats (class-level hooks vLLM calls in its logging process) ---------------------
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MooncakeStats:
-        return MooncakeStats(data=data) if data is not None else MooncakeStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return MooncakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

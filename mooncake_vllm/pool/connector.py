@@ -12,56 +12,45 @@ does both. No ``kv_transfer_params`` are needed or returned: any proxy works.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from mooncake_vllm.core import os_threads
 from mooncake_vllm.core.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.core.facade import HalvesConnector
 from mooncake_vllm.core.identity import engine_compat_hash
 from mooncake_vllm.core.model_identity import engine_model_identity
 from mooncake_vllm.core.settings import check_role, load_settings
-from mooncake_vllm.core.sleep_mode import refuse_sleep_mode
-from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.pool.config import PoolSettings, check_reachable
 from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
 from mooncake_vllm.pool.stats import PoolPromMetrics, PoolStats
 from mooncake_vllm.pool.step_metadata import PoolConnectorMetadata
-from mooncake_vllm.vllm_glue import check_vllm, shorten_queue_spin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from mooncake_vllm.pool.worker import PoolWorkerHalf
 
 
 class MooncakeStoreConnector(HalvesConnector):
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
-    ):
-        super().__init__(vllm_config, role, kv_cache_config)
-        refuse_sleep_mode(vllm_config, "MooncakeStoreConnector")  # before anything is registered
-        use_vllm_logging()
+    metadata_type = PoolConnectorMetadata
+    stats_type = PoolStats
+    prom_metrics_type = PoolPromMetrics
+
+    def _build_halves(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None):
         ktc = vllm_config.kv_transfer_config
         settings: PoolSettings = load_settings(ktc.kv_connector_extra_config, model=PoolSettings)
         check_role(ktc.kv_role, "MooncakeStoreConnector")
         check_reachable(settings)
-        check_vllm(settings.allow_untested_vllm)
-        os_threads.set_policy(settings.thread_priority)
-        shorten_queue_spin(settings.vllm_busy_loop_s)
+        self._prepare_process(settings)
         is_producer = ktc.kv_role in ("kv_producer", "kv_both")
         is_consumer = ktc.kv_role in ("kv_consumer", "kv_both")
         self._scheduler: PoolSchedulerHalf | None = None
         self._worker: PoolWorkerHalf | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        if self.role == KVConnectorRole.SCHEDULER:
             warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
             store = None
             if is_consumer:
@@ -98,23 +87,8 @@ class MooncakeStoreConnector(HalvesConnector):
 
     # ---- worker side ---------------------------------------------------------------------
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PoolConnectorMetadata)
-        self._worker.start_load_kv(meta)
-
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return  # whole blocks are put in wait_for_save, after the forward pass
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()
-
-    # ---- stats (class-level hooks vLLM calls in its logging process) ---------------------
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PoolStats:
-        return PoolStats(data=data) if data is not None else PoolStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return PoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
