@@ -51,6 +51,43 @@ class AuthError(ValueError):
 Keys = tuple[bytes, ...]  # the first signs, every one verifies; empty: authentication off
 
 
+def read_key_lines(
+    path: str | None,
+    variable: str | None,
+    environ: Mapping[str, str],
+    *,
+    path_setting: str,
+    variable_setting: str,
+    file_holds: str,
+    export_in: str,
+) -> tuple[tuple[str, ...], str] | None:
+    """The stripped non-blank lines of the file ``path`` or of the environment variable
+    ``variable`` (the caller allows only one), with how the config names that setting
+    (``path_setting`` or ``variable_setting``, for the caller's own errors); None when neither
+    is given. Raises ValueError naming the setting and the fix when the file cannot be read
+    (``file_holds``: what it should hold) or the variable is not set (``export_in``: where to
+    export it). Shared by the connectors' secret and the proxy's API keys."""
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ValueError(
+                f"{path_setting} cannot be read ({e.strerror}); point it to a file holding "
+                f"{file_holds}"
+            ) from e
+        where = path_setting
+    elif variable is not None:
+        if variable not in environ:
+            raise ValueError(
+                f"{variable_setting}: the environment variable is not set; export it in {export_in}"
+            )
+        text = environ[variable]
+        where = variable_setting
+    else:
+        return None
+    return tuple(line.strip() for line in text.splitlines() if line.strip()), where
+
+
 def load_keys(
     secret_file: str | None, secret_env: str | None, environ: Mapping[str, str] | None = None
 ) -> Keys:
@@ -59,26 +96,19 @@ def load_keys(
     environ = os.environ if environ is None else environ
     if secret_file and secret_env:
         raise ValueError("set auth_secret_file or auth_secret_env, not both")
-    if secret_file:
-        try:
-            text = Path(secret_file).read_text()
-        except OSError as e:
-            raise ValueError(
-                f"auth_secret_file={secret_file!r} cannot be read ({e.strerror}); point it to a "
-                "file holding the shared secret (one key per line)"
-            ) from e
-        where = f"auth_secret_file={secret_file!r}"
-    elif secret_env:
-        if secret_env not in environ:
-            raise ValueError(
-                f"auth_secret_env={secret_env!r}: the environment variable is not set; export "
-                "it in the server's environment (never on the command line)"
-            )
-        text = environ[secret_env]
-        where = f"auth_secret_env={secret_env!r}"
-    else:
+    found = read_key_lines(
+        secret_file or None,  # an empty setting is no setting
+        secret_env or None,
+        environ,
+        path_setting=f"auth_secret_file={secret_file!r}",
+        variable_setting=f"auth_secret_env={secret_env!r}",
+        file_holds="the shared secret (one key per line)",
+        export_in="the server's environment (never on the command line)",
+    )
+    if found is None:
         return ()
-    keys = tuple(line.strip().encode() for line in text.splitlines() if line.strip())
+    lines, where = found
+    keys = tuple(line.encode() for line in lines)
     if not keys:
         raise ValueError(f"{where}: the secret is empty")
     short = [i for i, k in enumerate(keys) if len(k) < SECRET_MIN_BYTES]

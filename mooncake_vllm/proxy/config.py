@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -255,26 +254,18 @@ def load_api_keys(
         )
     if key is not None:
         return (key.strip(),)
-    if key_file is not None:
-        try:
-            text = Path(key_file).read_text()
-        except OSError as e:
-            raise ValueError(
-                f"--api-key-file {key_file!r} cannot be read ({e.strerror}); point it to a "
-                "file holding the key clients send (one per line)"
-            ) from e
-        where = f"--api-key-file {key_file!r}"
-    elif key_env is not None:
-        if key_env not in environ:
-            raise ValueError(
-                f"--api-key-env {key_env!r}: the environment variable is not set; export it "
-                "in the proxy's environment (the name goes on the command line, not the key)"
-            )
-        text = environ[key_env]
-        where = f"--api-key-env {key_env!r}"
-    else:
+    found = auth.read_key_lines(
+        key_file,
+        key_env,
+        environ,
+        path_setting=f"--api-key-file {key_file!r}",
+        variable_setting=f"--api-key-env {key_env!r}",
+        file_holds="the key clients send (one per line)",
+        export_in="the proxy's environment (the name goes on the command line, not the key)",
+    )
+    if found is None:
         return ()
-    keys = tuple(line.strip() for line in text.splitlines() if line.strip())
+    keys, where = found
     if not keys:
         raise ValueError(f"{where}: holds no key (one per line)")
     return keys
