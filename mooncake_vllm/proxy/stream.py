@@ -16,7 +16,7 @@ import weakref
 import aiohttp
 
 from mooncake_vllm.proxy import rewrite
-from mooncake_vllm.proxy.errors import classify
+from mooncake_vllm.proxy.errors import BackendFailure, classify
 from mooncake_vllm.proxy.failover import Backends, InFlight, RequestContext
 from mooncake_vllm.proxy.legs import OpenDecode
 from mooncake_vllm.proxy.limits import ClientSlot
@@ -33,6 +33,19 @@ def _abandon(
     in_flight.release()
     if client_slot is not None:
         client_slot.release()
+
+
+def _record_cut(
+    backends: Backends, ctx: RequestContext, leg: OpenDecode, e: Exception
+) -> BackendFailure:
+    """A decode leg whose read raised ``e`` mid-stream: the failure, recorded against its
+    backend and logged. Re-raises ``e`` when it is not a backend failure."""
+    failure = classify(e, "decode", leg.backend.url, leg.deadline)
+    if failure is None:
+        raise e
+    backends.record_failure(leg.pool, leg.backend, failure)
+    logger.warning("%s stream cut: %s", ctx.request_id, failure.message)
+    return failure
 
 
 class DecodeStream:
@@ -65,11 +78,7 @@ class DecodeStream:
         try:
             chunk = await leg.read_chunk()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            failure = classify(e, "decode", leg.backend.url, leg.deadline)
-            if failure is None:
-                raise
-            self._backends.record_failure(leg.pool, leg.backend, failure)
-            logger.warning("%s stream cut: %s", self._ctx.request_id, failure.message)
+            failure = _record_cut(self._backends, self._ctx, leg, e)
             self._finish(clean=False)
             # An event cut in its middle is closed first, so the client's SSE parser sees ours.
             separator = b"" if self._at_event_boundary else b"\n\n"
@@ -156,11 +165,7 @@ class MergedStream:
             try:
                 chunk = self._reads.pop(i).result()
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                failure = classify(e, "decode", leg.backend.url, leg.deadline)
-                if failure is None:
-                    raise
-                self._backends.record_failure(leg.pool, leg.backend, failure)
-                logger.warning("%s stream cut: %s", self._ctx.request_id, failure.message)
+                failure = _record_cut(self._backends, self._ctx, leg, e)
                 await self._finish()
                 # StreamMerge passes whole events only: no event is left cut in its middle.
                 return rewrite.sse_error_event(failure.message, failure.kind.value)
