@@ -9,29 +9,14 @@ import msgspec
 import pytest
 
 from mooncake_vllm.core.identity import compat_hash
-from mooncake_vllm.p2p.protocol import (
-    OWNER_BYTES,
-    PROTOCOL_VERSION,
-    Acquire,
-    Granted,
-    Handoff,
-    HandoffError,
-    MemSegment,
-    Refused,
-    Release,
-    Released,
-    decode_frame,
-    encode_frame,
-    parse_handoff,
-    validate_handoff,
-)
+from mooncake_vllm.p2p import protocol
 
 # ---- protocol: the handoff ------------------------------------------------------------------
 
 HASH = compat_hash(model="tiny", dtype="float32", block_size=16, tp_size=2)
 
 
-def _handoff(**overrides) -> Handoff:
+def _handoff(**overrides) -> protocol.Handoff:
     fields = {
         "transfer_id": "t-1",
         "producer_engine_id": "prefill-0",
@@ -43,21 +28,21 @@ def _handoff(**overrides) -> Handoff:
         "block_size": 16,
         "compat_hash": HASH,
     }
-    return Handoff(**{**fields, **overrides})
+    return protocol.Handoff(**{**fields, **overrides})
 
 
 def test_handoff_round_trip_through_params():
     h = _handoff()
     params = h.to_params()
     assert params["do_remote_prefill"] is True
-    assert params["version"] == PROTOCOL_VERSION
+    assert params["version"] == protocol.PROTOCOL_VERSION
     # It travels through the proxy as JSON.
-    assert parse_handoff(json.loads(json.dumps(params))) == h
+    assert protocol.parse_handoff(json.loads(json.dumps(params))) == h
 
 
 def test_handoff_ignores_fields_it_does_not_know():
     params = {**_handoff().to_params(), "added_in_a_later_minor": 1}
-    assert parse_handoff(params) == _handoff()
+    assert protocol.parse_handoff(params) == _handoff()
 
 
 @pytest.mark.parametrize(
@@ -74,8 +59,8 @@ def test_handoff_ignores_fields_it_does_not_know():
 def test_handoff_missing_field(field):
     params = _handoff().to_params()
     del params[field]
-    with pytest.raises(HandoffError, match=field):
-        parse_handoff(params)
+    with pytest.raises(protocol.HandoffError, match=field):
+        protocol.parse_handoff(params)
 
 
 @pytest.mark.parametrize(
@@ -92,14 +77,14 @@ def test_handoff_missing_field(field):
 )
 def test_handoff_wrong_type(field, value):
     params = {**_handoff().to_params(), field: value}
-    with pytest.raises(HandoffError, match="malformed kv_transfer_params"):
-        parse_handoff(params)
+    with pytest.raises(protocol.HandoffError, match="malformed kv_transfer_params"):
+        protocol.parse_handoff(params)
 
 
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"version": PROTOCOL_VERSION + 1}, "version"),
+        ({"version": protocol.PROTOCOL_VERSION + 1}, "version"),
         ({"transfer_id": ""}, "empty transfer_id"),
         ({"producer_engine_id": ""}, "empty producer_engine_id"),
         ({"side_channel_ports": []}, "go together"),
@@ -109,25 +94,27 @@ def test_handoff_wrong_type(field, value):
     ],
 )
 def test_unusable_handoff_is_refused(overrides, match):
-    with pytest.raises(HandoffError, match=match):
-        parse_handoff({**_handoff().to_params(), **overrides})
+    with pytest.raises(protocol.HandoffError, match=match):
+        protocol.parse_handoff({**_handoff().to_params(), **overrides})
 
 
 def test_handoff_without_side_channel_is_looked_up_by_engine_id():
-    h = parse_handoff({**_handoff().to_params(), "side_channel_host": "", "side_channel_ports": []})
+    h = protocol.parse_handoff(
+        {**_handoff().to_params(), "side_channel_host": "", "side_channel_ports": []}
+    )
     assert h.producer_engine_id == "prefill-0"
     _validate(h)  # no TP-rank count to compare: the registry has it
 
 
 @pytest.mark.parametrize("params", [None, [], "t-1", {}])
 def test_handoff_that_is_not_an_object(params):
-    with pytest.raises(HandoffError):
-        parse_handoff(params)
+    with pytest.raises(protocol.HandoffError):
+        protocol.parse_handoff(params)
 
 
-def _validate(h: Handoff, **overrides) -> None:
+def _validate(h: protocol.Handoff, **overrides) -> None:
     request = {"prompt_len": 40, "block_size": 16, "compat_hash": HASH, "tp_size": 2}
-    validate_handoff(h, **{**request, **overrides})
+    protocol.validate_handoff(h, **{**request, **overrides})
 
 
 def test_matching_handoff_validates():
@@ -159,7 +146,7 @@ def test_matching_handoff_validates():
     ],
 )
 def test_mismatching_handoff_is_refused(handoff, request_overrides, match):
-    with pytest.raises(HandoffError, match=match):
+    with pytest.raises(protocol.HandoffError, match=match):
         _validate(handoff, **request_overrides)
 
 
@@ -169,14 +156,14 @@ def test_a_replicated_mla_latent_validates_across_tp_sizes(producer_tp):
     h = _handoff(side_channel_ports=ports, producer_tp_size=producer_tp)
     _validate(h, kv_replicated=True)  # consumer TP 2
     if producer_tp != 2:
-        with pytest.raises(HandoffError, match="same TP size"):
+        with pytest.raises(protocol.HandoffError, match="same TP size"):
             _validate(h)
 
 
 def test_compat_mismatch_names_both_layouts_when_known():
     h = _handoff(compat_hash=compat_hash(model="other"), kv_layout="MLA latent 512+64")
     with pytest.raises(
-        HandoffError, match="producer: MLA latent 512\\+64, this consumer: per-head"
+        protocol.HandoffError, match="producer: MLA latent 512\\+64, this consumer: per-head"
     ):
         _validate(h, kv_layout="per-head K/V 4 heads x 64")
 
@@ -227,7 +214,7 @@ def test_compat_hash_changes_with_any_input(field, value):
 
 # ---- protocol: side-channel frames ----------------------------------------------------------
 
-OWNER = bytes(range(OWNER_BYTES))
+OWNER = bytes(range(protocol.OWNER_BYTES))
 
 
 def _packed(**fields) -> bytes:
@@ -237,19 +224,23 @@ def _packed(**fields) -> bytes:
 @pytest.mark.parametrize(
     "frame",
     [
-        Acquire("t-1", [4, 5, 9], OWNER),
-        Acquire("t-1", [4, 5, 9], OWNER, readers=2),
-        Granted("t-1", "10.0.0.1:20000", [MemSegment(0x1000, 4096, 2048), MemSegment(0, 64, 64)]),
-        Granted("t-1", "10.0.0.1:20000", []),
-        Refused("t-1", "transfer t-1 already expired"),
-        Release("t-1", ok=True, owner=OWNER),
-        Release("t-1", ok=False, owner=OWNER),
-        Released("t-1"),
+        protocol.Acquire("t-1", [4, 5, 9], OWNER),
+        protocol.Acquire("t-1", [4, 5, 9], OWNER, readers=2),
+        protocol.Granted(
+            "t-1",
+            "10.0.0.1:20000",
+            [protocol.MemSegment(0x1000, 4096, 2048), protocol.MemSegment(0, 64, 64)],
+        ),
+        protocol.Granted("t-1", "10.0.0.1:20000", []),
+        protocol.Refused("t-1", "transfer t-1 already expired"),
+        protocol.Release("t-1", ok=True, owner=OWNER),
+        protocol.Release("t-1", ok=False, owner=OWNER),
+        protocol.Released("t-1"),
     ],
     ids=lambda f: type(f).__name__,
 )
 def test_frame_round_trip(frame):
-    decoded = decode_frame(encode_frame(frame))
+    decoded = protocol.decode_frame(protocol.encode_frame(frame))
     assert type(decoded) is type(frame)
     assert decoded == frame
 
@@ -271,11 +262,11 @@ def test_frame_round_trip(frame):
         # A version 1 frame under this version's tag (no owner), and a later version's frame.
         _packed(type="acquire/2", transfer_id="t-1", remote_block_ids=[1]),
         _packed(type="release/3", transfer_id="t-1", ok=True, owner=OWNER),
-        encode_frame(Released("t-1"))[:-2],  # truncated
+        protocol.encode_frame(protocol.Released("t-1"))[:-2],  # truncated
     ],
     ids=repr,
 )
 def test_malformed_frame_is_rejected(data):
     # msgspec.ValidationError is a DecodeError: one except clause covers both.
     with pytest.raises(msgspec.DecodeError):
-        decode_frame(data)
+        protocol.decode_frame(data)

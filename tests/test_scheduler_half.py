@@ -18,17 +18,9 @@ from harness.servers import free_port
 from mooncake_vllm.core.identity import compat_hash, engine_compat_hash, engine_kv_layout
 from mooncake_vllm.core.loads import MooncakeWorkerMeta
 from mooncake_vllm.core.planning import producer_rank_for
+from mooncake_vllm.p2p import protocol
 from mooncake_vllm.p2p.config import load_settings, resolve
 from mooncake_vllm.p2p.leases.client import MAX_REPLICATED_READERS, RankLayout
-from mooncake_vllm.p2p.protocol import (
-    OWNER_BYTES,
-    Acquire,
-    Granted,
-    MemSegment,
-    Refused,
-    Release,
-    parse_handoff,
-)
 from mooncake_vllm.p2p.scheduler import SchedulerHalf
 from mooncake_vllm.p2p.side_channel import SideChannelClient
 
@@ -92,7 +84,9 @@ def producer():
     port = free_port_run(2)  # the side channel binds port + 1
     settings = load_settings({"prefill_url": f"127.0.0.1:{port}"}, env={})
     half = SchedulerHalf(resolve(settings, "kv_producer", "prefill", 1), BLOCK, HASH)
-    half.set_layouts({0: RankLayout("127.0.0.1:1", [MemSegment(0, 1000, 1000)], worker_pid=0)})
+    half.set_layouts(
+        {0: RankLayout("127.0.0.1:1", [protocol.MemSegment(0, 1000, 1000)], worker_pid=0)}
+    )
     yield half
     half.shutdown()
 
@@ -254,7 +248,7 @@ def test_a_finished_prefill_hands_over_its_prompt_blocks_and_holds_them(producer
     req = request("p1", 300, params, status=status, computed=300)
     delay_free, out = producer.request_finished(req, [5, 6, 7, 8])  # 4th: the sampled token's
     assert delay_free
-    handoff = parse_handoff(out)
+    handoff = protocol.parse_handoff(out)
     assert handoff.remote_block_ids == [5, 6, 7]
     assert (handoff.prompt_len, handoff.block_size, handoff.compat_hash) == (300, BLOCK, HASH)
     stats = producer.get_stats().data
@@ -268,7 +262,7 @@ def test_the_producer_names_the_transfer_itself_whatever_the_client_sent(produce
     for i, params in enumerate([{"transfer_id": "t-9"}, {"transfer_id": "t-9"}, {}]):
         req = request(f"p{i}", 300, {"do_remote_decode": True, **params},
                       status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
-        ids.append(parse_handoff(producer.request_finished(req, [5, 6, 7])[1]).transfer_id)
+        ids.append(protocol.parse_handoff(producer.request_finished(req, [5, 6, 7])[1]).transfer_id)
     assert len(set(ids)) == 3 and "t-9" not in ids
     assert all(len(tid) == 32 and int(tid, 16) >= 0 for tid in ids)
     assert producer.get_stats().data["held_leases"] == 3  # none superseded another
@@ -342,7 +336,10 @@ def tp2_producer(kv_replicated: bool) -> SchedulerHalf:
     cfg = resolve(settings, "kv_producer", "prefill", 2)
     half = SchedulerHalf(cfg, BLOCK, HASH, kv_replicated=kv_replicated)
     half.set_layouts(
-        {r: RankLayout(f"127.0.0.1:{r + 1}", [MemSegment(r, 1000, 1000)], 0) for r in range(2)}
+        {
+            r: RankLayout(f"127.0.0.1:{r + 1}", [protocol.MemSegment(r, 1000, 1000)], 0)
+            for r in range(2)
+        }
     )
     return half
 
@@ -353,26 +350,30 @@ def test_an_mla_prefill_at_tp2_is_freed_once_every_consumer_rank_pulled_it_once(
     try:
         req = request("p1", 300, {"do_remote_decode": True},
                       status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
-        h = parse_handoff(producer.request_finished(req, [5, 6, 7])[1])
+        h = protocol.parse_handoff(producer.request_finished(req, [5, 6, 7])[1])
         assert (h.producer_tp_size, len(h.side_channel_ports)) == (2, 2)
         # One lease (held on both ranks), not one per rank pair.
         stats = producer.get_stats().data
         assert (stats["held_leases"], stats["held_bytes"]) == (1, 2 * 3 * 1000)
         sources = [producer_rank_for(r, consumer_tp, 2, True) for r in range(consumer_tp)]
         addresses = [f"127.0.0.1:{h.side_channel_ports[src]}" for src in sources]
-        owners = [bytes([r + 1]) * OWNER_BYTES for r in range(consumer_tp)]  # one per rank
+        owners = [bytes([r + 1]) * protocol.OWNER_BYTES for r in range(consumer_tp)]  # one per rank
         inc, readers = h.producer_incarnation, MAX_REPLICATED_READERS + 1
-        too_many = Acquire(h.transfer_id, [5, 6, 7], b"z" * OWNER_BYTES, readers, inc)
+        too_many = protocol.Acquire(
+            h.transfer_id, [5, 6, 7], b"z" * protocol.OWNER_BYTES, readers, inc
+        )
         reply = client.call(addresses[0], too_many, timeout_s=5)
-        assert reply == Refused(h.transfer_id, f"readers={readers} outside 1..{readers - 1}")
+        assert reply == protocol.Refused(
+            h.transfer_id, f"readers={readers} outside 1..{readers - 1}"
+        )
         for src, address, owner in zip(sources, addresses, owners, strict=True):
-            acquire = Acquire(h.transfer_id, [5, 6, 7], owner, consumer_tp, inc)
+            acquire = protocol.Acquire(h.transfer_id, [5, 6, 7], owner, consumer_tp, inc)
             reply = client.call(address, acquire, timeout_s=5)
-            assert isinstance(reply, Granted)
+            assert isinstance(reply, protocol.Granted)
             assert reply.te_segment == f"127.0.0.1:{src + 1}"  # that rank's own memory
         for i, (address, owner) in enumerate(zip(addresses, owners, strict=True)):
             assert producer.build_connector_meta(STEP).finished_sending == set()
-            client.call(address, Release(h.transfer_id, True, owner), timeout_s=5)
+            client.call(address, protocol.Release(h.transfer_id, True, owner), timeout_s=5)
             assert (i == consumer_tp - 1) == (producer.get_stats().data["held_leases"] == 0)
         assert producer.build_connector_meta(STEP).finished_sending == {"p1"}
     finally:
@@ -385,18 +386,22 @@ def test_a_per_head_kv_prefill_at_tp2_waits_for_both_rank_pairs():
     try:
         req = request("p1", 300, {"do_remote_decode": True},
                       status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
-        h = parse_handoff(producer.request_finished(req, [5, 6, 7])[1])
+        h = protocol.parse_handoff(producer.request_finished(req, [5, 6, 7])[1])
         first, second = (f"127.0.0.1:{port}" for port in h.side_channel_ports)
         tid, inc = h.transfer_id, h.producer_incarnation
-        a, b = b"a" * OWNER_BYTES, b"b" * OWNER_BYTES
-        assert isinstance(client.call(first, Acquire(tid, [5, 6, 7], a, 1, inc), 5), Granted)
-        client.call(first, Release(tid, True, a), timeout_s=5)
+        a, b = b"a" * protocol.OWNER_BYTES, b"b" * protocol.OWNER_BYTES
+        assert isinstance(
+            client.call(first, protocol.Acquire(tid, [5, 6, 7], a, 1, inc), 5), protocol.Granted
+        )
+        client.call(first, protocol.Release(tid, True, a), timeout_s=5)
         assert producer.build_connector_meta(STEP).finished_sending == set()  # rank 1's shard
         # One reader per rank: nobody can pin rank 1's lease for two.
-        refused = client.call(second, Acquire(tid, [5, 6, 7], b, 2, inc), 5)
-        assert refused == Refused(tid, "readers=2 outside 1..1")
-        assert isinstance(client.call(second, Acquire(tid, [5, 6, 7], b, 1, inc), 5), Granted)
-        client.call(second, Release(tid, True, b), timeout_s=5)
+        refused = client.call(second, protocol.Acquire(tid, [5, 6, 7], b, 2, inc), 5)
+        assert refused == protocol.Refused(tid, "readers=2 outside 1..1")
+        assert isinstance(
+            client.call(second, protocol.Acquire(tid, [5, 6, 7], b, 1, inc), 5), protocol.Granted
+        )
+        client.call(second, protocol.Release(tid, True, b), timeout_s=5)
         assert producer.build_connector_meta(STEP).finished_sending == {"p1"}
     finally:
         client.close()

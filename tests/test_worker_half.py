@@ -11,24 +11,15 @@ import pytest
 
 from mooncake_vllm.core.auth import new_secret, seal_record
 from mooncake_vllm.core.registry import EngineRecord, encode_record, registry_key
+from mooncake_vllm.p2p import protocol
 from mooncake_vllm.p2p.config import load_settings, resolve
-from mooncake_vllm.p2p.protocol import (
-    OWNER_BYTES,
-    Acquire,
-    Granted,
-    Handoff,
-    MemSegment,
-    Refused,
-    Release,
-    Released,
-)
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.p2p.worker import WorkerHalf
 from mooncake_vllm.transfer.engine import TransferAgent
 
 BLOCK = 64
-REMOTE = MemSegment(base_addr=10_000, block_stride=BLOCK, block_len=BLOCK)
-LOCAL = MemSegment(base_addr=20_000, block_stride=BLOCK, block_len=BLOCK)
+REMOTE = protocol.MemSegment(base_addr=10_000, block_stride=BLOCK, block_len=BLOCK)
+LOCAL = protocol.MemSegment(base_addr=20_000, block_stride=BLOCK, block_len=BLOCK)
 
 
 class GatedEngine:
@@ -76,10 +67,10 @@ class FakeSideChannel:
     def call(self, address, frame, timeout_s):
         self.frames.append(frame)
         self.addresses.append(address)
-        if isinstance(frame, Release):
-            return Released(frame.transfer_id)
-        assert isinstance(frame, Acquire)
-        return self.reply or Granted(frame.transfer_id, "producer:1", [REMOTE])
+        if isinstance(frame, protocol.Release):
+            return protocol.Released(frame.transfer_id)
+        assert isinstance(frame, protocol.Acquire)
+        return self.reply or protocol.Granted(frame.transfer_id, "producer:1", [REMOTE])
 
     def close(self):
         pass
@@ -98,7 +89,7 @@ def make_worker(engine, side_channel, load_timeout_s: float = 0.6, **settings) -
 
 
 def load(req_id: str = "req-1", blocks: int = 2) -> MooncakeConnectorMetadata:
-    handoff = Handoff(
+    handoff = protocol.Handoff(
         transfer_id=f"t-{req_id}",
         producer_engine_id="producer",
         side_channel_host="127.0.0.1",
@@ -162,9 +153,10 @@ def test_a_pull_that_ends_is_reported_once_and_settled(engine):
     assert worker.get_stats().data["pulls"] == 1
     worker.shutdown()
     acquire, release = channel.frames
-    assert acquire == Acquire("t-req-1", [1, 2], acquire.owner, readers=1)
-    assert len(acquire.owner) == OWNER_BYTES
-    assert release == Release("t-req-1", True, acquire.owner)  # only the owner can release it
+    assert acquire == protocol.Acquire("t-req-1", [1, 2], acquire.owner, readers=1)
+    assert len(acquire.owner) == protocol.OWNER_BYTES
+    # Only the owner can release it.
+    assert release == protocol.Release("t-req-1", True, acquire.owner)
 
 
 def test_a_pull_past_its_deadline_is_failed_at_once_and_settled_only_when_its_entries_end(
@@ -195,11 +187,13 @@ def test_failed_reads_fail_the_pull_and_settle_it_and_the_lease_is_released_as_f
     recving, failed, settled = collect_until(worker, lambda r, f, s: s)
     assert (recving, failed, settled) == ({"req-1"}, {"req-1"}, ["req-1"])
     worker.shutdown()
-    assert isinstance(channel.frames[-1], Release) and not channel.frames[-1].ok
+    assert isinstance(channel.frames[-1], protocol.Release) and not channel.frames[-1].ok
 
 
 def test_a_refused_acquire_is_a_failure_and_settles_at_once(engine):
-    worker = make_worker(engine, FakeSideChannel(Refused("t-req-1", "unknown transfer id")))
+    worker = make_worker(
+        engine, FakeSideChannel(protocol.Refused("t-req-1", "unknown transfer id"))
+    )
     worker.start_load_kv(load())
     recving, failed, settled = collect_until(worker, lambda r, f, s: s)
     assert (recving, failed, settled) == ({"req-1"}, {"req-1"}, ["req-1"])
@@ -220,8 +214,8 @@ def test_a_load_vllm_does_not_wait_for_only_releases_the_lease(engine):
     # Only an owner may release a lease (before owner tokens: a bare Release), so the worker
     # acquires the whole hold, then releases it at once; nothing is read.
     acquire, release = channel.frames
-    assert acquire == Acquire("t-req-1", [1, 2], acquire.owner)
-    assert release == Release("t-req-1", True, acquire.owner)
+    assert acquire == protocol.Acquire("t-req-1", [1, 2], acquire.owner)
+    assert release == protocol.Release("t-req-1", True, acquire.owner)
     assert engine.submitted == []
 
 
@@ -239,8 +233,8 @@ def test_a_rejected_handoff_fails_without_reading_and_frees_the_producers_lease(
     assert (recving, failed, settled) == ({"req-1"}, {"req-1"}, ["req-1"])
     assert engine.submitted == []
     acquire, release = channel.frames  # acquired only to be released, as failed
-    assert acquire == Acquire("t-req-1", [1, 2], acquire.owner)
-    assert release == Release("t-req-1", False, acquire.owner)
+    assert acquire == protocol.Acquire("t-req-1", [1, 2], acquire.owner)
+    assert release == protocol.Release("t-req-1", False, acquire.owner)
 
 
 # ---- owner tokens, trusted producers, signed registry records ---------------------------------
@@ -259,7 +253,7 @@ def test_a_partial_local_hit_acquires_the_whole_hold_and_reads_only_the_missing_
     acquire, release = channel.frames
     assert acquire.remote_block_ids == [1, 2, 3]  # the producer's lease is the whole prompt
     assert engine.submitted == [REMOTE.base_addr, REMOTE.base_addr + 3 * BLOCK]  # block 3 only
-    assert release == Release("t-req-1", True, acquire.owner)
+    assert release == protocol.Release("t-req-1", True, acquire.owner)
 
 
 def test_every_pull_has_its_own_owner_token(engine):
@@ -270,22 +264,22 @@ def test_every_pull_has_its_own_owner_token(engine):
     worker.start_load_kv(load("req-2"))
     collect_until(worker, lambda r, f, s: len(s) == 2)
     worker.shutdown()
-    owners = {f.transfer_id: f.owner for f in channel.frames if isinstance(f, Acquire)}
+    owners = {f.transfer_id: f.owner for f in channel.frames if isinstance(f, protocol.Acquire)}
     assert len(set(owners.values())) == 2
-    for release in (f for f in channel.frames if isinstance(f, Release)):
+    for release in (f for f in channel.frames if isinstance(f, protocol.Release)):
         assert release.owner == owners[release.transfer_id]
 
 
 def test_a_lease_whose_acquire_is_refused_is_not_released(engine):
     # Nothing to give back: the producer ended the lease already (or never had it).
-    channel = FakeSideChannel(Refused("t-req-1", "transfer t-req-1 already expired"))
+    channel = FakeSideChannel(protocol.Refused("t-req-1", "transfer t-req-1 already expired"))
     worker = make_worker(engine, channel)
     meta = load()
     meta.loads[0] = LoadSpec("req-1", meta.loads[0].handoff, [], [])
     worker.start_load_kv(meta)
     collect_until(worker, lambda r, f, s: s)
     worker.shutdown()
-    assert [type(f) for f in channel.frames] == [Acquire]
+    assert [type(f) for f in channel.frames] == [protocol.Acquire]
 
 
 @pytest.mark.parametrize(
@@ -301,14 +295,14 @@ def test_a_grant_pointing_reads_at_an_untrusted_host_fails_the_pull_unread(
     engine, caplog, trusted, te_segment, ok
 ):
     engine.done.set()
-    channel = FakeSideChannel(Granted("t-req-1", te_segment, [REMOTE]))
+    channel = FakeSideChannel(protocol.Granted("t-req-1", te_segment, [REMOTE]))
     worker = make_worker(engine, channel, trusted_producers=trusted)
     worker.start_load_kv(load())
     _, failed, _ = collect_until(worker, lambda r, f, s: s)
     worker.shutdown()
     assert failed == (set() if ok else {"req-1"})
     acquire, release = channel.frames
-    assert release == Release("t-req-1", ok, acquire.owner)  # released either way
+    assert release == protocol.Release("t-req-1", ok, acquire.owner)  # released either way
     if not ok:
         assert engine.submitted == []  # not even the warm-up read
         host = te_segment.rpartition(":")[0]
@@ -374,7 +368,7 @@ def test_a_producer_looked_up_in_the_registry_must_be_signed_and_trusted(
 ):
     monkeypatch.setenv("MV_TEST_SECRET", f"{KEY}\n{NEW_KEY}")  # a rotation under way
     engine.done.set()
-    channel = FakeSideChannel(Granted("t-req-1", "10.0.0.1:16000", [REMOTE]))
+    channel = FakeSideChannel(protocol.Granted("t-req-1", "10.0.0.1:16000", [REMOTE]))
     settings = {"auth_secret_env": "MV_TEST_SECRET"}
     if trusted is not None:
         settings["trusted_producers"] = trusted
