@@ -7,6 +7,7 @@ legitimate requests stay token-exact with every prompt token by transfer, that n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import random
@@ -15,6 +16,7 @@ import secrets
 import statistics
 import time
 from functools import partial
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -215,7 +217,13 @@ async def test_release_flood_by_transfer_id_while_requests_run(pd, http):
 
 def _flood(address: str, sockets: int, seconds: float, sent) -> None:
     """A child process at the lowest priority (an attacker runs on its own host; here it must
-    not take the engines' cores): junk, unknown-id acquires and releases, as fast as it can."""
+    not take the engines' cores): junk, unknown-id acquires and releases, as fast as it can.
+    Each vLLM server runs in a session of its own, so the kernel shares the CPU between
+    sessions (autogroups) before it looks at nice values: the flood gets a session whose
+    autogroup is at nice 19."""
+    os.setsid()
+    with contextlib.suppress(OSError):  # no autogroups (CONFIG_SCHED_AUTOGROUP off): nice does
+        Path("/proc/self/autogroup").write_text("19")
     os.nice(19)
     ctx = zmq.Context()
     socks = []
@@ -286,8 +294,8 @@ async def test_a_flood_of_junk_costs_real_requests_little(pd, http):
     """Two processes with four sockets each send junk for 10 s while real requests run: all
     answer as plain does, a lease nobody pulls still expires on time, the prefill's log gets a
     line per ten seconds (not one per frame) and ``rejected_frames`` counts the junk. Request
-    latency beside the flood is measured against the same requests without it and printed; the
-    decode's acquire p99 (its round trip crosses the flooded lease server) stays within 2x."""
+    latency beside the flood (p50) and the decode's acquire p99 (its round trip crosses the
+    flooded lease server) stay within 2x of the same requests without it."""
     quiet_batch, loud_batch = prompts(seed=2405, n=12), prompts(seed=2406, n=12)
     quiet_refs = await _plain_answers(http, pd, quiet_batch)
     loud_refs = await _plain_answers(http, pd, loud_batch)  # before the flood: it covers pulls
@@ -346,6 +354,9 @@ async def test_a_flood_of_junk_costs_real_requests_little(pd, http):
     # So it cannot fail within 2x, and (above the smallest bucket) cannot pass beyond 5x.
     bounds = sorted(acquires2)
     assert bounds.index(loud_p99_s) <= bounds.index(quiet_p99_s) + 1, (quiet_p99_s, loud_p99_s)
+    # The requests' own latency: the lease server rests between batches of junk
+    # (``side_channel.abuse_pause_s``), so the flood cannot take the engines' cores.
+    assert statistics.median(loud) <= 2 * statistics.median(quiet), (quiet, loud)
     assert len(lines) <= 4, lines
     assert len(log.encode()) < 100_000  # what a minute of requests logs, not a line per frame
     big_ok = Peer(address, load_keys(str(pd.secret_path), None))
