@@ -41,7 +41,7 @@ LENGTHS = [1, 5, 127, 128, 129, 200, 255, 256, 257, 300, 383, 450, 511, 512, 513
 @pytest.fixture(scope="module")
 def pool(cluster):
     master = start_mooncake_master()
-    extra = pool_extra(master, global_segment_size="256MB", load_timeout_s=10)
+    extra = pool_extra(master, global_segment_size="256MB")
     specs = [
         ServerSpec("pool-prefill", args=pool_args("kv_both", extra)),
         ServerSpec("pool-decode1", args=pool_args("kv_both", extra)),

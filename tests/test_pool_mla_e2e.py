@@ -41,7 +41,7 @@ LENGTHS = [1, 15, 16, 17, 100, 300, 513, 700, 1000, 1025, 1400, 1500]
 def mla_pool():
     model = str(build_tiny_model(spec=SPEC))
     master = start_mooncake_master()
-    extra = pool_extra(master, global_segment_size="128MB", load_timeout_s=10)
+    extra = pool_extra(master, global_segment_size="128MB")
     specs = [
         ServerSpec("plain-mla-pool", args=[*MLA_CPU_ARGS, "--distributed-executor-backend", "uni"]),
         ServerSpec("pool-mla-prefill", args=[*MLA_CPU_ARGS, *pool_args("kv_both", extra)]),

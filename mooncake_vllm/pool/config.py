@@ -58,8 +58,13 @@ class PoolSettings(SharedSettings):
     # (measured: 5 changed nothing); stall_timeout_s is what ends a stalled get.
     transfer_timeout: int = Field(10, ge=1, le=600)
     # A get (load) not done this long after it started fails, and vLLM's
-    # kv_load_failure_policy decides (recompute or fail).
-    load_timeout_s: float = Field(10.0, gt=0)
+    # kv_load_failure_policy decides (recompute or fail). 30 s as for P2P pulls: the store's TCP
+    # transfers stall now and then for 10-20 s (docs/pool.md), a slow answer beats a failed one.
+    load_timeout_s: float = Field(30.0, gt=0)
+    # Unset: the engine's own progress deadline (30 s). Set, it becomes MC_TCP_PROGRESS_TIMEOUT_SEC:
+    # a stalled get then fails sooner and is asked again, but on 0.3.13.post1 a 2 s deadline left
+    # the holder not serving for 13-60 s afterwards in 2 of 2 pool e2e runs (docs/pool.md).
+    stall_timeout_s: int | None = Field(None, ge=1, le=60)
     # The scheduler's existence check; past it the prompt counts as a miss (computed here).
     lookup_timeout_s: float = Field(1.0, gt=0, le=30)
 
@@ -105,10 +110,8 @@ class PoolSettings(SharedSettings):
         env = {"MC_TRANSFER_TIMEOUT": str(self.transfer_timeout)}
         if self.protocol == "tcp":
             env["MC_FORCE_TCP"] = "1"
-            # A get of 7 blocks from a SIGSTOPped holder (0.3.13.post1): -800 after 4 s with 2
-            # (4 transfers per peer at a time: two rounds), after 60 s without (two rounds of 30
-            # s, and the store's own cap), far past load_timeout_s.
-            env["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(self.stall_timeout_s)
+            if self.stall_timeout_s is not None:
+                env["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(self.stall_timeout_s)
         return env
 
 
