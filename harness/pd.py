@@ -74,6 +74,28 @@ class ServerSpec:
     cli: bool = False  # start it as ``vllm serve MODEL ...`` (see ``start_vllm``)
 
 
+def readme_pair(
+    cfg_path: Path,
+    tag: str,
+    host: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    prefill_env: Mapping[str, str] | None = None,
+    cli: bool = False,
+    **config: Any,
+) -> list[ServerSpec]:
+    """The README's minimal pair on ``host``: one mooncake.json at ``cfg_path`` (P2P handshake
+    over TCP, ``config`` added) read by a ``kv_producer`` and a ``kv_consumer`` under vLLM's
+    default failure policy, named ``prefill-<tag>`` and ``decode-<tag>``."""
+    mooncake_json(cfg_path, **config)
+    common = {"MOONCAKE_CONFIG_PATH": str(cfg_path), **(env or {})}
+    prefill = {**common, **(prefill_env or {})}
+    return [
+        ServerSpec(f"prefill-{tag}", host, kv_args("kv_producer"), prefill, cli=cli),
+        ServerSpec(f"decode-{tag}", host, kv_args("kv_consumer"), common, cli=cli),
+    ]
+
+
 def start_many(
     model: str,
     specs: Sequence[ServerSpec],

@@ -31,9 +31,8 @@ from harness.pd import (
     client_session,
     complete,
     eventually,
-    kv_args,
-    mooncake_json,
     pulls_since,
+    readme_pair,
     start_many,
     tokens_by_transfer,
 )
@@ -59,21 +58,6 @@ class NewUser:
         self.freeze_trigger: Path | None = freeze_trigger
 
 
-def _pair_specs(cfg_path: Path, prefill_host: str, decode_host: str, tag: str, **prefill_env):
-    """The README's minimal pair: one mooncake.json, P2P handshake over TCP, default policy."""
-    mooncake_json(
-        cfg_path,
-        prefill_url=f"{prefill_host}:14100",
-        decode_url=f"{decode_host}:14200",
-        load_timeout_s=LOAD_TIMEOUT_S,
-    )
-    env = {"MOONCAKE_CONFIG_PATH": str(cfg_path)}
-    return [
-        ServerSpec(f"prefill-{tag}", prefill_host, kv_args("kv_producer"), {**env, **prefill_env}),
-        ServerSpec(f"decode-{tag}", decode_host, kv_args("kv_consumer"), env),
-    ]
-
-
 @contextlib.contextmanager
 def _serving(model: str, specs: list[ServerSpec], tag: str):
     """Starts ``specs`` (the pair last) and ``python proxy/proxy_server.py`` in front of the
@@ -94,7 +78,15 @@ def setup(tmp_path_factory):
     trigger = cfg.with_name("freeze-after-grant")
     specs = [
         ServerSpec("plain-default", HOST),
-        *_pair_specs(cfg, HOST, HOST, "1host", **freeze_after_grant_env(trigger)),
+        *readme_pair(
+            cfg,
+            "1host",
+            HOST,
+            prefill_env=freeze_after_grant_env(trigger),
+            prefill_url=f"{HOST}:14100",
+            decode_url=f"{HOST}:14200",
+            load_timeout_s=LOAD_TIMEOUT_S,
+        ),
     ]
     with _serving(model, specs, "1host") as ((plain, prefill, decode), url):
         yield NewUser(model, plain, prefill, decode, url, freeze_trigger=trigger)

@@ -19,13 +19,11 @@ import pytest
 from harness import servers
 from harness.pd import (
     PULL_COUNTERS,
-    ServerSpec,
     client_session,
     complete,
     eventually,
-    kv_args,
-    mooncake_json,
     pulls_since,
+    readme_pair,
     start_many,
     tokens_by_transfer,
     two_legs,
@@ -39,20 +37,17 @@ LEASE_TTL_S = 6.0
 
 @pytest.fixture(scope="module")
 def pair(tiny_model, tmp_path_factory):
-    cfg = mooncake_json(
+    specs = readme_pair(
         tmp_path_factory.mktemp("vllm-serve") / "mooncake.json",
+        "cli",
+        HOST,
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+        cli=True,
         prefill_url=f"{HOST}:{servers.free_port(HOST)}",
         decode_url=f"{HOST}:{servers.free_port(HOST)}",
         lease_ttl_s=LEASE_TTL_S,
     )
-    env = {"MOONCAKE_CONFIG_PATH": str(cfg), "VLLM_SERVER_DEV_MODE": "1"}
-    prefill, decode = start_many(
-        tiny_model,
-        [
-            ServerSpec("prefill-cli", HOST, kv_args("kv_producer"), env, cli=True),
-            ServerSpec("decode-cli", HOST, kv_args("kv_consumer"), env, cli=True),
-        ],
-    )
+    prefill, decode = start_many(tiny_model, specs)
     with servers.running(prefill), servers.running(decode):
         yield prefill, decode
 
