@@ -60,13 +60,15 @@ def read_key_lines(
     variable_setting: str,
     file_holds: str,
     export_in: str,
+    when_empty: str,
 ) -> tuple[tuple[str, ...], str] | None:
     """The stripped non-blank lines of the file ``path`` or of the environment variable
     ``variable`` (the caller allows only one), with how the config names that setting
     (``path_setting`` or ``variable_setting``, for the caller's own errors); None when neither
     is given. Raises ValueError naming the setting and the fix when the file cannot be read
     (``file_holds``: what it should hold) or the variable is not set (``export_in``: where to
-    export it). Shared by the connectors' secret and the proxy's API keys."""
+    export it), or when it holds no line (``when_empty``: what to say). Shared by the
+    connectors' secret and the proxy's API keys."""
     if path is not None:
         try:
             text = Path(path).read_text()
@@ -85,7 +87,10 @@ def read_key_lines(
         where = variable_setting
     else:
         return None
-    return tuple(line.strip() for line in text.splitlines() if line.strip()), where
+    lines = tuple(line.strip() for line in text.splitlines() if line.strip())
+    if not lines:
+        raise ValueError(f"{where}: {when_empty}")
+    return lines, where
 
 
 def load_keys(
@@ -104,13 +109,12 @@ def load_keys(
         variable_setting=f"auth_secret_env={secret_env!r}",
         file_holds="the shared secret (one key per line)",
         export_in="the server's environment (never on the command line)",
+        when_empty="the secret is empty",
     )
     if found is None:
         return ()
     lines, where = found
     keys = tuple(line.encode() for line in lines)
-    if not keys:
-        raise ValueError(f"{where}: the secret is empty")
     short = [i for i, k in enumerate(keys) if len(k) < SECRET_MIN_BYTES]
     if short:
         raise ValueError(

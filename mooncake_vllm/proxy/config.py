@@ -262,10 +262,6 @@ def load_api_keys(
         variable_setting=f"--api-key-env {key_env!r}",
         file_holds="the key clients send (one per line)",
         export_in="the proxy's environment (the name goes on the command line, not the key)",
+        when_empty="holds no key (one per line)",
     )
-    if found is None:
-        return ()
-    keys, where = found
-    if not keys:
-        raise ValueError(f"{where}: holds no key (one per line)")
-    return keys
+    return () if found is None else found[0]
