@@ -325,7 +325,8 @@ def _prompts(case: Case, mode: str) -> tuple[Any, int]:
     if kind == "one":
         return [_text(case, mode)], 1
     if kind == "one-too-long":
-        return [_text(case, mode, 0), _text(case, mode, 1, words=3000)], 0
+        # Two prompts; vLLM refuses the list, and the first may have pulled before that.
+        return [_text(case, mode, 0), _text(case, mode, 1, words=3000)], 2
     raise ValueError(kind)
 
 

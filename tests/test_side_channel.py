@@ -16,20 +16,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from harness.servers import free_port
 from mooncake_vllm.core.auth import REPLY, REQUEST, new_secret, open_frame, seal_frame
+from mooncake_vllm.p2p import protocol as wire
 from mooncake_vllm.p2p.config import load_settings, resolve
 from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
 from mooncake_vllm.p2p.local_channels import wake_endpoint
-from mooncake_vllm.p2p.protocol import (
-    OWNER_BYTES,
-    Acquire,
-    Granted,
-    MemSegment,
-    Refused,
-    Release,
-    Released,
-    decode_frame,
-    encode_frame,
-)
 from mooncake_vllm.p2p.side_channel import (
     PeerGuard,
     SideChannelClient,
@@ -37,9 +27,9 @@ from mooncake_vllm.p2p.side_channel import (
     abuse_pause_s,
 )
 
-OWNER = b"o" * OWNER_BYTES
+OWNER = b"o" * wire.OWNER_BYTES
 
-SEGMENTS = [MemSegment(0x1000, 4096, 4096)]
+SEGMENTS = [wire.MemSegment(0x1000, 4096, 4096)]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -58,9 +48,9 @@ def start_service(port: int, **settings) -> LeaseService:
 
 def acquire(
     service: LeaseService, transfer_id: str, block_ids: list[int], owner: bytes, readers: int = 1
-) -> Acquire:
+) -> wire.Acquire:
     """An acquire as a consumer sends it, naming the producer start its handoff came from."""
-    return Acquire(transfer_id, block_ids, owner, readers, service.incarnation)
+    return wire.Acquire(transfer_id, block_ids, owner, readers, service.incarnation)
 
 
 @pytest.fixture
@@ -77,9 +67,11 @@ def test_a_hold_is_granted_at_once_and_its_release_is_known_before_the_consumer_
     service, address, client = producer
     assert service.hold("req-1", "t-1", [3, 4])
     reply = client.call(address, acquire(service, "t-1", [3, 4], OWNER), timeout_s=5)
-    assert reply == Granted("t-1", "127.0.0.1:9", SEGMENTS, service.incarnation)
+    assert reply == wire.Granted("t-1", "127.0.0.1:9", SEGMENTS, service.incarnation)
     assert service.held_count == 1
-    assert client.call(address, Release("t-1", True, OWNER), timeout_s=5) == Released("t-1")
+    assert client.call(address, wire.Release("t-1", True, OWNER), timeout_s=5) == wire.Released(
+        "t-1"
+    )
     assert service.take_finished() == {"req-1"}  # reported before the Released reply left
     assert service.take_ended_counts() == {"released": 1}
     assert (service.held_count, service.held_bytes) == (0, 0)
@@ -90,7 +82,7 @@ def test_unknown_transfer_id_is_refused_at_once(producer):
     service, address, client = producer
     start = time.monotonic()
     reply = client.call(address, acquire(service, "nope", [1], OWNER), timeout_s=5)
-    assert isinstance(reply, Refused)
+    assert isinstance(reply, wire.Refused)
     assert "unknown transfer id nope" in reply.reason
     assert time.monotonic() - start < 0.5
 
@@ -105,7 +97,7 @@ def test_concurrent_acquires_to_one_producer_are_answered_independently(producer
                 lambda i: client.call(address, acquire(service, f"t-{i}", [i], OWNER), 5), range(8)
             )
         )
-    assert all(isinstance(r, Granted) for r in replies)
+    assert all(isinstance(r, wire.Granted) for r in replies)
     assert [r.transfer_id for r in replies] == [f"t-{i}" for i in range(8)]
 
 
@@ -165,7 +157,7 @@ def test_no_answer_is_an_error_within_the_timeout():
     try:
         start = time.monotonic()
         with pytest.raises(SideChannelError, match="no answer"):
-            client.call(f"127.0.0.1:{free_port()}", Release("t", True, OWNER), timeout_s=0.5)
+            client.call(f"127.0.0.1:{free_port()}", wire.Release("t", True, OWNER), timeout_s=0.5)
         assert time.monotonic() - start < 2
     finally:
         client.close()
@@ -253,20 +245,20 @@ class RawPeer:
 
 def sealed(frame, keys=(KEY,)) -> tuple[bytes, bytes]:
     """A request exactly as a consumer's ``SideChannelClient`` sends it: ``(bytes, nonce)``."""
-    return seal_frame(keys, encode_frame(frame), REQUEST)
+    return seal_frame(keys, wire.encode_frame(frame), REQUEST)
 
 
 def reply_to(data: bytes, nonce: bytes, keys=(KEY,)):
-    return decode_frame(open_frame(keys, data, REPLY, nonce)[0])
+    return wire.decode_frame(open_frame(keys, data, REPLY, nonce)[0])
 
 
 def test_with_the_secret_on_both_sides_a_lease_is_granted_and_released(keyed_producer):
     service, address, client = keyed_producer
     assert service.hold("req-1", "t-1", [3, 4])
-    assert client.call(address, acquire(service, "t-1", [3, 4], OWNER), 5) == Granted(
+    assert client.call(address, acquire(service, "t-1", [3, 4], OWNER), 5) == wire.Granted(
         "t-1", "127.0.0.1:9", SEGMENTS, service.incarnation
     )
-    assert client.call(address, Release("t-1", True, OWNER), 5) == Released("t-1")
+    assert client.call(address, wire.Release("t-1", True, OWNER), 5) == wire.Released("t-1")
     assert service.take_finished() == {"req-1"}
     assert client.rejected == 0
 
@@ -282,13 +274,13 @@ def test_a_peer_without_the_secret_gets_no_answer_and_the_drop_is_counted(
         with pytest.raises(SideChannelError, match="no answer"):
             stranger.call(address, acquire(service, "t-1", [3], OWNER), timeout_s=0.5)
         with pytest.raises(SideChannelError, match="no answer"):
-            stranger.call(address, Release("t-1", True, OWNER), timeout_s=0.5)
+            stranger.call(address, wire.Release("t-1", True, OWNER), timeout_s=0.5)
     finally:
         stranger.close()
     reason = "unauthenticated" if not client_keys else "bad signature"
     assert Drops(service).wait_for(reason, 2)[reason] == 2
     # Nothing it sent touched the lease: the consumer holding the secret still pulls it.
-    assert isinstance(client.call(address, acquire(service, "t-1", [3], OWNER), 5), Granted)
+    assert isinstance(client.call(address, acquire(service, "t-1", [3], OWNER), 5), wire.Granted)
     assert service.take_finished() == set()
 
 
@@ -299,7 +291,7 @@ def test_a_replayed_acquire_is_dropped_from_any_socket(keyed_producer):
     peer, other = RawPeer(address), RawPeer(address)
     try:
         peer.send(captured)
-        assert isinstance(reply_to(peer.receive(5), nonce), Granted)
+        assert isinstance(reply_to(peer.receive(5), nonce), wire.Granted)
         peer.send(captured)  # the same bytes again: dropped before the lease table sees them
         other.send(captured)  # from a socket of its own too
         assert peer.receive(0.5) is None and other.receive(0.1) is None
@@ -319,16 +311,18 @@ def test_a_release_by_a_peer_that_did_not_acquire_does_not_end_the_lease(tmp_pat
     forger = RawPeer(address)
     try:
         assert service.hold("req-1", "t-1", [3])
-        assert isinstance(client.call(address, acquire(service, "t-1", [3], OWNER), 5), Granted)
-        for owner in (b"x" * OWNER_BYTES, b"", OWNER[:-1]):
+        assert isinstance(
+            client.call(address, acquire(service, "t-1", [3], OWNER), 5), wire.Granted
+        )
+        for owner in (b"x" * wire.OWNER_BYTES, b"", OWNER[:-1]):
             for ok in (True, False):
-                forger.send(sealed(Release("t-1", ok, owner), keys)[0])
+                forger.send(sealed(wire.Release("t-1", ok, owner), keys)[0])
         assert forger.receive(0.5) is None  # no answer: it learns nothing
         drops = Drops(service).wait_for("release by a non-owner", 6)
         assert drops["release by a non-owner"] == 6
         assert (service.held_count, service.take_finished()) == (1, set())
         # The real owner still releases it, and its pull counts as a success.
-        assert client.call(address, Release("t-1", True, OWNER), 5) == Released("t-1")
+        assert client.call(address, wire.Release("t-1", True, OWNER), 5) == wire.Released("t-1")
         assert service.take_finished() == {"req-1"}
         assert service.take_ended_counts() == {"released": 1}
     finally:
@@ -346,8 +340,8 @@ def test_an_acquire_that_does_not_name_exactly_the_holds_blocks_is_refused(
     service, address, client = keyed_producer
     assert service.hold("req-1", "t-1", [3, 4])
     reply = client.call(address, acquire(service, "t-1", block_ids, OWNER), 5)
-    assert reply == Refused("t-1", "transfer t-1: the blocks are not the lease's")
-    assert isinstance(client.call(address, acquire(service, "t-1", [3, 4], OWNER), 5), Granted)
+    assert reply == wire.Refused("t-1", "transfer t-1: the blocks are not the lease's")
+    assert isinstance(client.call(address, acquire(service, "t-1", [3, 4], OWNER), 5), wire.Granted)
 
 
 def test_readers_beyond_the_hold_are_refused(keyed_producer):
@@ -355,7 +349,7 @@ def test_readers_beyond_the_hold_are_refused(keyed_producer):
     service, address, client = keyed_producer
     assert service.hold("req-1", "t-1", [3])
     reply = client.call(address, acquire(service, "t-1", [3], OWNER, readers=2), 5)
-    assert reply == Refused("t-1", "readers=2 outside 1..1")
+    assert reply == wire.Refused("t-1", "readers=2 outside 1..1")
 
 
 def test_an_oversized_frame_disconnects_its_peer_and_later_peers_are_served(tmp_path):
@@ -372,8 +366,10 @@ def test_an_oversized_frame_disconnects_its_peer_and_later_peers_are_served(tmp_
         assert big.next_event(5) == zmq.EVENT_DISCONNECTED, "the oversized frame was read"
         assert big.receive(0.2) is None
         # A fresh socket, and a normal frame: served, and the lease was untouched.
-        assert isinstance(client.call(address, acquire(service, "t-1", [3], OWNER), 5), Granted)
-        assert client.call(address, Release("t-1", True, OWNER), 5) == Released("t-1")
+        assert isinstance(
+            client.call(address, acquire(service, "t-1", [3], OWNER), 5), wire.Granted
+        )
+        assert client.call(address, wire.Release("t-1", True, OWNER), 5) == wire.Released("t-1")
     finally:
         big.close()
         client.close()
@@ -393,7 +389,9 @@ def test_a_flooding_peer_is_rate_limited_and_other_peers_are_still_served(tmp_pa
         while flood.receive(0.3) is not None:
             answered += 1
         assert 10 <= answered < 40
-        assert isinstance(client.call(address, acquire(service, "t-1", [3], OWNER), 5), Granted)
+        assert isinstance(
+            client.call(address, acquire(service, "t-1", [3], OWNER), 5), wire.Granted
+        )
         assert Drops(service).wait_for("rate limited")["rate limited"] == 40 - answered
     finally:
         flood.close()
@@ -416,23 +414,25 @@ def test_the_client_skips_replies_not_sealed_for_its_request():
     def answer():
         identity, request = producer.recv_multipart()
         body, _, nonce = open_frame((KEY,), request, REQUEST)
-        assert decode_frame(body) == Acquire("t-1", [3], OWNER)
-        grant = encode_frame(Granted("t-1", "forged:1", []))
-        _, other_nonce = sealed(Acquire("t-1", [3], OWNER))
+        assert wire.decode_frame(body) == wire.Acquire("t-1", [3], OWNER)
+        grant = wire.encode_frame(wire.Granted("t-1", "forged:1", []))
+        _, other_nonce = sealed(wire.Acquire("t-1", [3], OWNER))
         for data in (
             grant,
             seal_frame((OTHER_KEY,), grant, REPLY, nonce)[0],
             seal_frame((KEY,), grant, REPLY, other_nonce)[0],  # an old reply, replayed
-            seal_frame((KEY,), encode_frame(Granted("t-1", "real:1", [])), REPLY, nonce)[0],
+            seal_frame((KEY,), wire.encode_frame(wire.Granted("t-1", "real:1", [])), REPLY, nonce)[
+                0
+            ],
         ):
             producer.send_multipart([identity, data])
 
     try:
         with ThreadPoolExecutor(1) as pool:
             answered = pool.submit(answer)
-            reply = client.call(f"127.0.0.1:{port}", Acquire("t-1", [3], OWNER), 5)
+            reply = client.call(f"127.0.0.1:{port}", wire.Acquire("t-1", [3], OWNER), 5)
             answered.result()
-        assert reply == Granted("t-1", "real:1", [])
+        assert reply == wire.Granted("t-1", "real:1", [])
         assert client.rejected == 3
     finally:
         client.close()

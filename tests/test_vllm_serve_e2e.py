@@ -16,18 +16,7 @@ import uuid
 
 import pytest
 
-from harness import servers
-from harness.pd import (
-    PULL_COUNTERS,
-    client_session,
-    complete,
-    eventually,
-    pulls_since,
-    readme_pair,
-    start_many,
-    tokens_by_transfer,
-    two_legs,
-)
+from harness import pd, servers
 
 pytestmark = pytest.mark.servers
 
@@ -37,7 +26,7 @@ LEASE_TTL_S = 6.0
 
 @pytest.fixture(scope="module")
 def pair(tiny_model, tmp_path_factory):
-    specs = readme_pair(
+    specs = pd.readme_pair(
         tmp_path_factory.mktemp("vllm-serve") / "mooncake.json",
         "cli",
         HOST,
@@ -47,7 +36,7 @@ def pair(tiny_model, tmp_path_factory):
         decode_url=f"{HOST}:{servers.free_port(HOST)}",
         lease_ttl_s=LEASE_TTL_S,
     )
-    prefill, decode = start_many(tiny_model, specs)
+    prefill, decode = pd.start_many(tiny_model, specs)
     with servers.running(prefill), servers.running(decode):
         yield prefill, decode
 
@@ -64,20 +53,20 @@ async def test_a_pair_started_with_vllm_serve_hands_kv_over(pair, tiny_model, sh
     prefill, decode = pair
     for srv in pair:
         assert srv.process.argv[1:3] == ["serve", tiny_model]  # vllm serve MODEL ...
-    before, ext0 = PULL_COUNTERS.read(decode), tokens_by_transfer(decode)
+    before, ext0 = pd.PULL_COUNTERS.read(decode), pd.tokens_by_transfer(decode)
     rng = random.Random(7)  # no shared prefix: the decode's own prefix cache cannot serve them
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (40, 300, 700)]
-    async with client_session() as http:
+    async with pd.client_session() as http:
         for prompt in prompts:
             body = {"model": tiny_model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
-            _, tail = await two_legs(http, prefill, decode, body)
+            _, tail = await pd.two_legs(http, prefill, decode, body)
             assert len(tail.token_ids) == 6
-    pulls = await pulls_since(decode, before, len(prompts))
+    pulls = await pd.pulls_since(decode, before, len(prompts))
     assert (pulls["pulls"], pulls["pull_failures"]) == (len(prompts), 0)
     # The last token of each prompt is computed by the decode; the rest arrived by transfer.
     want = sum(len(p) - 1 for p in prompts)
-    await eventually(
-        lambda: tokens_by_transfer(decode) - ext0 >= want, 10, "prompt tokens by transfer"
+    await pd.eventually(
+        lambda: pd.tokens_by_transfer(decode) - ext0 >= want, 10, "prompt tokens by transfer"
     )
 
 
@@ -85,10 +74,10 @@ async def test_pause_waits_for_a_held_lease_and_resume_serves_again(pair, tiny_m
     prefill, decode = pair
     prompt = list(range(7, 507))
     body = {"model": tiny_model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    async with client_session() as http:
+    async with pd.client_session() as http:
         params = {"do_remote_decode": True, "transfer_id": str(uuid.uuid4())}
-        await complete(http, prefill, {**body, "max_tokens": 1, "kv_transfer_params": params})
-        held = await eventually(lambda: prefill.metric("mooncake_vllm:held_leases") == 1, 5)
+        await pd.complete(http, prefill, {**body, "max_tokens": 1, "kv_transfer_params": params})
+        held = await pd.eventually(lambda: prefill.metric("mooncake_vllm:held_leases") == 1, 5)
         # Nobody pulls: the pause completes only when the lease expires and vLLM frees the
         # request's blocks (an aborted running request would be freed at once).
         t0 = time.monotonic()
@@ -101,9 +90,9 @@ async def test_pause_waits_for_a_held_lease_and_resume_serves_again(pair, tiny_m
         finally:
             async with http.post(f"{prefill.url}/resume") as resp:
                 assert resp.status == 200, await resp.text()
-        before = PULL_COUNTERS.read(decode)
-        _, tail = await two_legs(http, prefill, decode, body)
+        before = pd.PULL_COUNTERS.read(decode)
+        _, tail = await pd.two_legs(http, prefill, decode, body)
         assert len(tail.token_ids) == 4
-    pulls = await pulls_since(decode, before, 1)
+    pulls = await pd.pulls_since(decode, before, 1)
     assert (pulls["pulls"], pulls["pull_failures"]) == (1, 0)
     print(f"pause returned after {paused_after_s:.1f} s (lease TTL {LEASE_TTL_S} s)")

@@ -1,11 +1,62 @@
-"""The Prometheus side both connectors share: series per engine on vLLM's own ``/metrics``,
-filled from a stats dict (counters add, histograms observe each sample, gauges keep the newest)."""
+"""The stats both connectors share: a keyed stats dict vLLM aggregates across workers and
+intervals, and its Prometheus series per engine on vLLM's own ``/metrics`` (counters add,
+histograms observe each sample, gauges keep the newest)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+
+@dataclass
+class KeyedStats(KVConnectorStats):
+    """Stats as one dict: ``COUNTER_KEYS`` add up, ``SAMPLE_KEYS`` are lists that concatenate,
+    ``GAUGE_KEYS`` keep the newest value reported (None: not reported). Subclasses name their
+    keys and write ``reduce``."""
+
+    COUNTER_KEYS: ClassVar[tuple[str, ...]] = ()
+    SAMPLE_KEYS: ClassVar[tuple[str, ...]] = ()
+    GAUGE_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.data:  # vLLM rebuilds received stats as cls(data=...): keep those
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {
+            **dict.fromkeys(self.COUNTER_KEYS, 0),
+            **{k: [] for k in self.SAMPLE_KEYS},
+            **dict.fromkeys(self.GAUGE_KEYS),
+        }
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.data[key] += n
+
+    def sample(self, key: str, value: float) -> None:
+        self.data[key].append(value)
+
+    def aggregate(self, other: KVConnectorStats) -> KeyedStats:
+        for key in self.COUNTER_KEYS:
+            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
+        for key in self.SAMPLE_KEYS:
+            self.data[key] = self.data.get(key, []) + list(other.data.get(key, []))
+        for key in self.GAUGE_KEYS:
+            if other.data.get(key) is not None:
+                self.data[key] = other.data[key]
+        return self
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not any(d.get(k) for k in (*self.COUNTER_KEYS, *self.SAMPLE_KEYS)) and all(
+            d.get(k) is None for k in self.GAUGE_KEYS
+        )
 
 
 class ConnectorPromMetrics(KVConnectorPromMetrics):

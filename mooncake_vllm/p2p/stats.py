@@ -8,12 +8,9 @@ data to ``MooncakePromMetrics.observe`` for its Prometheus ``/metrics``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-
-from mooncake_vllm.core.prom import ConnectorPromMetrics
+from mooncake_vllm.core.prom import ConnectorPromMetrics, KeyedStats
 
 _COUNTERS = (
     "pulls",
@@ -37,13 +34,11 @@ _SAMPLES = ("durations_s", "acquires_s", "reads_s")
 _GAUGES = ("held_leases", "held_bytes")
 
 
-def _empty() -> dict[str, Any]:
-    return {**dict.fromkeys(_COUNTERS, 0), **{k: [] for k in _SAMPLES}, **dict.fromkeys(_GAUGES)}
-
-
 @dataclass
-class MooncakeStats(KVConnectorStats):
-    data: dict[str, Any] = field(default_factory=_empty)
+class MooncakeStats(KeyedStats):
+    COUNTER_KEYS = _COUNTERS
+    SAMPLE_KEYS = _SAMPLES
+    GAUGE_KEYS = _GAUGES
 
     def record_pull(
         self,
@@ -64,22 +59,6 @@ class MooncakeStats(KVConnectorStats):
         self.data["acquires_s"].append(acquire_s)
         self.data["reads_s"].append(read_s)
 
-    def count(self, key: str, n: int = 1) -> None:
-        self.data[key] += n
-
-    def reset(self) -> None:
-        self.data = _empty()
-
-    def aggregate(self, other: KVConnectorStats) -> MooncakeStats:
-        for key in _COUNTERS:
-            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
-        for key in _SAMPLES:
-            self.data[key] = self.data.get(key, []) + list(other.data.get(key, []))
-        for key in _GAUGES:
-            if other.data.get(key) is not None:
-                self.data[key] = other.data[key]
-        return self
-
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         total_s = sum(d["durations_s"])
@@ -94,10 +73,6 @@ class MooncakeStats(KVConnectorStats):
             out["GB/s"] = round(d["bytes"] / total_s / 1e9, 3) if total_s else 0.0
         out.update({k: d[k] for k in _GAUGES if d.get(k) is not None})
         return out
-
-    def is_empty(self) -> bool:
-        d = self.data
-        return not any(d.get(k) for k in _COUNTERS) and all(d.get(k) is None for k in _GAUGES)
 
 
 class MooncakePromMetrics(ConnectorPromMetrics):

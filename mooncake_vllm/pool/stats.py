@@ -7,12 +7,9 @@ failures). vLLM aggregates both halves and all workers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-
-from mooncake_vllm.core.prom import ConnectorPromMetrics
+from mooncake_vllm.core.prom import ConnectorPromMetrics, KeyedStats
 
 COUNTERS = {
     "lookups": "existence checks of a prompt's blocks (scheduler)",
@@ -35,29 +32,10 @@ SAMPLES = {
 }
 
 
-def _empty() -> dict[str, Any]:
-    return {**dict.fromkeys(COUNTERS, 0), **{k: [] for k in SAMPLES}}
-
-
 @dataclass
-class PoolStats(KVConnectorStats):
-    data: dict[str, Any] = field(default_factory=_empty)
-
-    def count(self, key: str, n: int = 1) -> None:
-        self.data[key] += n
-
-    def sample(self, key: str, value: float) -> None:
-        self.data[key].append(value)
-
-    def reset(self) -> None:
-        self.data = _empty()
-
-    def aggregate(self, other: KVConnectorStats) -> PoolStats:
-        for key in COUNTERS:
-            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
-        for key in SAMPLES:
-            self.data[key] = self.data.get(key, []) + list(other.data.get(key, []))
-        return self
+class PoolStats(KeyedStats):
+    COUNTER_KEYS = tuple(COUNTERS)
+    SAMPLE_KEYS = tuple(SAMPLES)
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
@@ -68,9 +46,6 @@ class PoolStats(KVConnectorStats):
                     1000 * sum(d[key]) / len(d[key]), 3
                 )
         return out
-
-    def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in (*COUNTERS, *SAMPLES))
 
 
 class PoolPromMetrics(ConnectorPromMetrics):
