@@ -248,7 +248,7 @@ class Counters:
 
 
 # The P2P connector's pulls on a consumer.
-PULL_COUNTERS = Counters("", ("pulls", "pull_failures", "blocks", "retries", "stalls"))
+PULL_COUNTERS = Counters("", ("pulls", "pull_failures", "blocks", "bytes", "retries", "stalls"))
 # The pool connector's lookups, puts and gets.
 POOL_COUNTERS = Counters(
     "pool_",

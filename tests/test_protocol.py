@@ -113,7 +113,7 @@ def test_handoff_that_is_not_an_object(params):
 
 
 def _validate(h: protocol.Handoff, **overrides) -> None:
-    request = {"prompt_len": 40, "block_size": 16, "compat_hash": HASH, "tp_size": 2}
+    request = {"prompt_len": 40, "compat_hash": HASH, "kv_heads": 4, "tp_size": 2, "block_size": 16}
     protocol.validate_handoff(h, **{**request, **overrides})
 
 
@@ -130,19 +130,19 @@ def test_matching_handoff_validates():
         (_handoff(), {"compat_hash": compat_hash(model="other")}, "compat hash mismatch"),
         (_handoff(), {"prompt_len": 41}, "prompt length 41 differs from the producer's 40"),
         (_handoff(prompt_len=41), {}, "prompt length 40 differs from the producer's 41"),
-        (_handoff(remote_block_ids=[4, 5]), {}, "2 remote blocks for 40 tokens, expected 3"),
+        (
+            _handoff(remote_block_ids=[4, 5]),
+            {},
+            "2 remote blocks for 40 tokens of block size 16, expected 3",
+        ),
         (_handoff(remote_block_ids=[4, 5, 9, 10]), {}, "4 remote blocks for 40 tokens"),
-        (_handoff(block_size=32), {}, "block size 16 differs from the producer's 32"),
+        (_handoff(block_size=32), {}, "block size 32 at the producer, 16 here: serve both"),
         (
-            _handoff(side_channel_ports=[20001], producer_tp_size=1),
+            _handoff(side_channel_ports=[20001, 20003, 20005], producer_tp_size=3),
             {},
-            "producer has 1 TP ranks, consumer 2: per-head K/V is sharded",
+            "4 KV heads cannot be sharded over the producer's TP size 3",
         ),
-        (
-            _handoff(side_channel_host="", side_channel_ports=[], producer_tp_size=4),
-            {},
-            "producer has 4 TP ranks, consumer 2",
-        ),
+        (_handoff(), {"tp_size": 3}, "4 KV heads cannot be sharded over the consumer's TP size 3"),
     ],
 )
 def test_mismatching_handoff_is_refused(handoff, request_overrides, match):
@@ -150,14 +150,14 @@ def test_mismatching_handoff_is_refused(handoff, request_overrides, match):
         _validate(handoff, **request_overrides)
 
 
-@pytest.mark.parametrize("producer_tp", [1, 2, 4])
-def test_a_replicated_mla_latent_validates_across_tp_sizes(producer_tp):
+@pytest.mark.parametrize("producer_tp", [1, 2, 4, 8])
+def test_any_tp_size_validates(producer_tp):
+    """The consumer reads each head from a producer rank that holds it (planning.head_sources):
+    TP sizes may differ, including more TP ranks than KV heads (replicated heads)."""
     ports = [20001 + 2 * r for r in range(producer_tp)]
     h = _handoff(side_channel_ports=ports, producer_tp_size=producer_tp)
-    _validate(h, kv_replicated=True)  # consumer TP 2
-    if producer_tp != 2:
-        with pytest.raises(protocol.HandoffError, match="same TP size"):
-            _validate(h)
+    for tp in (1, 2, 4, 8):
+        _validate(h, tp_size=tp)
 
 
 def test_compat_mismatch_names_both_layouts_when_known():
@@ -254,14 +254,16 @@ def test_frame_round_trip(frame):
         msgspec.msgpack.encode([1, 2, 3]),
         msgspec.msgpack.encode({"transfer_id": "t-1"}),  # no tag
         msgspec.msgpack.encode({"type": "acquire_v2", "transfer_id": "t-1"}),  # unknown kind
-        _packed(type="release/2", transfer_id="t-1"),  # fields missing
-        _packed(type="release/2", transfer_id="t-1", ok="yes", owner=OWNER),
-        # A version 1 peer's frames: no owner, and the tag of another version.
+        _packed(type="release/3", transfer_id="t-1"),  # fields missing
+        _packed(type="release/3", transfer_id="t-1", ok="yes", owner=OWNER),
+        # Older peers' frames: no owner, or the tag of another version (version 2 granted
+        # segments without their interior, which a re-laying consumer needs).
         _packed(type="release/1", transfer_id="t-1", ok=True),
         _packed(type="acquire/1", transfer_id="t-1", remote_block_ids=[1]),
+        _packed(type="release/2", transfer_id="t-1", ok=True, owner=OWNER),
         # A version 1 frame under this version's tag (no owner), and a later version's frame.
-        _packed(type="acquire/2", transfer_id="t-1", remote_block_ids=[1]),
-        _packed(type="release/3", transfer_id="t-1", ok=True, owner=OWNER),
+        _packed(type="acquire/3", transfer_id="t-1", remote_block_ids=[1]),
+        _packed(type="release/4", transfer_id="t-1", ok=True, owner=OWNER),
         protocol.encode_frame(protocol.Released("t-1"))[:-2],  # truncated
     ],
     ids=repr,

@@ -20,7 +20,7 @@ from mooncake_vllm.core.loads import MooncakeWorkerMeta
 from mooncake_vllm.core.planning import producer_rank_for
 from mooncake_vllm.p2p import protocol
 from mooncake_vllm.p2p.config import load_settings, resolve
-from mooncake_vllm.p2p.leases.client import MAX_REPLICATED_READERS, RankLayout
+from mooncake_vllm.p2p.leases.client import MAX_READERS, RankLayout
 from mooncake_vllm.p2p.scheduler import SchedulerHalf
 from mooncake_vllm.p2p.side_channel import SideChannelClient
 
@@ -118,7 +118,9 @@ def test_a_partial_local_prefix_hit_pulls_only_the_missing_blocks(consumer):
     req = request("r1", 300, handoff_params(300))
     count, _, (load,) = plan(consumer, req, Blocks([10, 11, 12], cached=1), computed=BLOCK)
     assert count == 300 - BLOCK
-    assert (load.remote_block_ids, load.local_block_ids) == ([2, 3], [11, 12])
+    # All the producer's blocks, and where the local cache stops: the worker maps tokens.
+    assert (load.remote_block_ids, load.local_block_ids) == ([1, 2, 3], [11, 12])
+    assert load.first_token == BLOCK
 
 
 def test_a_full_local_prefix_hit_pulls_nothing_and_only_releases_the_lease(consumer):
@@ -358,7 +360,7 @@ def test_an_mla_prefill_at_tp2_is_freed_once_every_consumer_rank_pulled_it_once(
         sources = [producer_rank_for(r, consumer_tp, 2, True) for r in range(consumer_tp)]
         addresses = [f"127.0.0.1:{h.side_channel_ports[src]}" for src in sources]
         owners = [bytes([r + 1]) * protocol.OWNER_BYTES for r in range(consumer_tp)]  # one per rank
-        inc, readers = h.producer_incarnation, MAX_REPLICATED_READERS + 1
+        inc, readers = h.producer_incarnation, MAX_READERS + 1
         too_many = protocol.Acquire(
             h.transfer_id, [5, 6, 7], b"z" * protocol.OWNER_BYTES, readers, inc
         )
@@ -395,9 +397,11 @@ def test_a_per_head_kv_prefill_at_tp2_waits_for_both_rank_pairs():
         )
         client.call(first, protocol.Release(tid, True, a), timeout_s=5)
         assert producer.build_connector_meta(STEP).finished_sending == set()  # rank 1's shard
-        # One reader per rank: nobody can pin rank 1's lease for two.
-        refused = client.call(second, protocol.Acquire(tid, [5, 6, 7], b, 2, inc), 5)
-        assert refused == protocol.Refused(tid, "readers=2 outside 1..1")
+        # Readers are bounded (a consumer of a larger TP reads a rank with several ranks).
+        refused = client.call(second, protocol.Acquire(tid, [5, 6, 7], b, MAX_READERS + 1, inc), 5)
+        assert refused == protocol.Refused(
+            tid, f"readers={MAX_READERS + 1} outside 1..{MAX_READERS}"
+        )
         assert isinstance(
             client.call(second, protocol.Acquire(tid, [5, 6, 7], b, 1, inc), 5), protocol.Granted
         )
@@ -435,6 +439,7 @@ def engine_config(
         dtype="torch.float32",
         get_num_layers=lambda pc: 2,
         get_num_kv_heads=lambda pc: fields["kv_heads"],
+        get_total_num_kv_heads=lambda: fields["kv_heads"],
         get_head_size=lambda: fields["head_size"],
     )
     return SimpleNamespace(
@@ -446,8 +451,8 @@ def engine_config(
 
 def test_an_engines_compat_hash_covers_its_kv_layout_and_model():
     """What ``engine_compat_hash`` digests, spelled out field by field (``compat_hash`` itself is
-    pinned in test_protocol): a Llama's per-head K/V at its TP size, a DeepSeek-V2's MLA latent at
-    any TP size, and the model when known."""
+    pinned in test_protocol): a Llama's per-head K/V at its TP size (the pool's keys) or at any
+    (P2P), a DeepSeek-V2's MLA latent at any TP size, and the model when known."""
     from vllm.platforms import current_platform
 
     llama = {
@@ -478,6 +483,12 @@ def test_an_engines_compat_hash_covers_its_kv_layout_and_model():
         "tp_size": None,
     }
     assert engine_compat_hash(engine_config(mla_latent=(512, 64), tp_size=2)) == compat_hash(**mla)
+    # P2P re-lays KV out: TP size and block size are left out, KV heads counted over all ranks.
+    any_layout = {**llama, "block_size": None, "tp_size": None}
+    for tp in (1, 2, 4):
+        assert engine_compat_hash(engine_config(tp_size=tp), any_layout=True) == compat_hash(
+            **any_layout
+        )
 
 
 @pytest.mark.parametrize(
@@ -544,7 +555,7 @@ def test_the_refusal_names_both_kv_layouts():
         _, _, (load,) = plan(half, request("r1", 300, params), Blocks([10, 11, 12]))
     finally:
         half.shutdown()
-    assert "producer: MLA latent 512+64 (any TP size), 2 layers" in load.error
+    assert "producer: MLA latent 512+64, 2 layers" in load.error
     assert "this consumer: per-head K/V 4 heads x 64 (TP 1), 2 layers" in load.error
 
 

@@ -18,7 +18,7 @@ from harness.servers import free_port
 from mooncake_vllm.core.auth import REPLY, REQUEST, new_secret, open_frame, seal_frame
 from mooncake_vllm.p2p import protocol as wire
 from mooncake_vllm.p2p.config import load_settings, resolve
-from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
+from mooncake_vllm.p2p.leases.client import MAX_READERS, LeaseService, RankLayout
 from mooncake_vllm.p2p.local_channels import wake_endpoint
 from mooncake_vllm.p2p.side_channel import (
     PeerGuard,
@@ -345,11 +345,16 @@ def test_an_acquire_that_does_not_name_exactly_the_holds_blocks_is_refused(
 
 
 def test_readers_beyond_the_hold_are_refused(keyed_producer):
-    # A per-head K/V lease is read by one consumer rank: no peer can pin it for more.
+    # A lease is read by at most MAX_READERS consumer ranks (a TP size): no peer can pin it for
+    # more, and the first acquire fixes the count.
     service, address, client = keyed_producer
     assert service.hold("req-1", "t-1", [3])
-    reply = client.call(address, acquire(service, "t-1", [3], OWNER, readers=2), 5)
-    assert reply == wire.Refused("t-1", "readers=2 outside 1..1")
+    reply = client.call(address, acquire(service, "t-1", [3], OWNER, readers=MAX_READERS + 1), 5)
+    assert reply == wire.Refused("t-1", f"readers={MAX_READERS + 1} outside 1..{MAX_READERS}")
+    assert isinstance(client.call(address, acquire(service, "t-1", [3], OWNER, 2), 5), wire.Granted)
+    other = b"p" * wire.OWNER_BYTES
+    reply = client.call(address, acquire(service, "t-1", [3], other, readers=3), 5)
+    assert reply == wire.Refused("t-1", "readers=3, the lease was acquired for 2")
 
 
 def test_an_oversized_frame_disconnects_its_peer_and_later_peers_are_served(tmp_path):

@@ -246,7 +246,8 @@ def test_a_partial_local_hit_acquires_the_whole_hold_and_reads_only_the_missing_
     worker = make_worker(engine, channel)
     meta = load(blocks=3)
     spec = meta.loads[0]
-    meta.loads[0] = LoadSpec("req-1", spec.handoff, [3], [5])  # blocks 1 and 2 cached here
+    # Blocks 1 and 2 (tokens 0..31) are cached here.
+    meta.loads[0] = LoadSpec("req-1", spec.handoff, [1, 2, 3], [5], first_token=32)
     worker.start_load_kv(meta)
     collect_until(worker, lambda r, f, s: s)
     worker.shutdown()
@@ -396,3 +397,93 @@ def test_replies_the_client_dropped_are_counted_in_the_stats(engine):
     assert worker.get_stats().data["rejected_frames"] == 2
     assert worker.get_stats() is None  # counted once
     assert channel.rejected == 0
+
+
+# ---- other layouts: TP sizes and block sizes ------------------------------------------------
+
+UNIT = 8  # bytes of one (head, token)
+
+
+def _cpu_segment(base: int, heads: int, block_size: int) -> protocol.MemSegment:
+    """One layer in vLLM's CPU layout, [blocks, heads, block_size, unit]."""
+    block = heads * block_size * UNIT
+    return protocol.MemSegment(base, block, block, heads, block_size, block_size * UNIT, UNIT, UNIT)
+
+
+class PerRankSideChannel(FakeSideChannel):
+    """Grants each producer rank's lease (by side-channel port) with that rank's segment."""
+
+    def __init__(self, segments: dict[int, protocol.MemSegment]):
+        super().__init__()
+        self.segments = segments
+
+    def call(self, address, frame, timeout_s):
+        if isinstance(frame, protocol.Acquire):
+            self.frames.append(frame)
+            self.addresses.append(address)
+            port = int(address.rpartition(":")[2])
+            return protocol.Granted(frame.transfer_id, f"p{port}:1", [self.segments[port]])
+        return super().call(address, frame, timeout_s)
+
+
+def _layout_worker(engine, channel, tp_size: int, rank: int, block_size: int) -> WorkerHalf:
+    settings = load_settings({"decode_url": "127.0.0.1:17000"}, env={})
+    cfg = resolve(settings, "kv_consumer", "consumer", tp_size)
+    worker = WorkerHalf(cfg, rank, "hash", 8, kv_heads=4, block_size=block_size)
+    worker._engine = TransferAgent.wrapping(engine)
+    worker._segments = [_cpu_segment(20_000, 4 // tp_size, block_size)]
+    worker._client = channel
+    return worker
+
+
+def _layout_load(producer_tp: int, block_size: int, prompt_len: int, local: list[int]):
+    blocks = -(-prompt_len // block_size)
+    handoff = protocol.Handoff(
+        transfer_id="t-req-1",
+        producer_engine_id="producer",
+        side_channel_host="127.0.0.1",
+        side_channel_ports=[16000 + 2 * r for r in range(producer_tp)],
+        producer_tp_size=producer_tp,
+        remote_block_ids=list(range(blocks)),
+        prompt_len=prompt_len,
+        block_size=block_size,
+        compat_hash="hash",
+    )
+    spec = LoadSpec("req-1", handoff, list(range(blocks)), local)
+    return MooncakeConnectorMetadata(loads=[spec])
+
+
+def test_a_tp1_consumer_reads_half_the_heads_from_each_rank_of_a_tp2_producer(engine):
+    engine.done.set()
+    # Producer rank r: heads 2r, 2r+1, 16-token blocks at 100_000 * (r + 1).
+    segments = {16000 + 2 * r: _cpu_segment(100_000 * (r + 1), 2, 16) for r in range(2)}
+    channel = PerRankSideChannel(segments)
+    worker = _layout_worker(engine, channel, tp_size=1, rank=0, block_size=32)
+    worker.start_load_kv(_layout_load(2, 16, 40, local=[5, 6]))  # 40 tokens: 3 blocks, 2 here
+    recving, failed, _ = collect_until(worker, lambda r, f, s: s)
+    stats = worker.get_stats()
+    worker.shutdown()
+    assert (recving, failed) == ({"req-1"}, set())
+    acquires = [f for f in channel.frames if isinstance(f, protocol.Acquire)]
+    releases = [f for f in channel.frames if isinstance(f, protocol.Release)]
+    # Acquired from both producer ranks, then released at both.
+    assert channel.addresses == ["127.0.0.1:16000", "127.0.0.1:16002"] * 2
+    assert [a.readers for a in acquires] == [1, 1]  # nobody else reads either rank
+    assert sorted(r.owner for r in releases) == sorted(a.owner for a in acquires)
+    # Every head once, every prompt token once: 4 heads x 40 tokens x 8 bytes.
+    assert stats.data["bytes"] == 4 * 40 * UNIT
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_both_ranks_of_a_tp2_consumer_share_the_lease_of_a_tp1_producer(engine, rank):
+    engine.done.set()
+    channel = PerRankSideChannel({16000: _cpu_segment(100_000, 4, 32)})
+    worker = _layout_worker(engine, channel, tp_size=2, rank=rank, block_size=16)
+    worker.start_load_kv(_layout_load(1, 32, 40, local=[5, 6, 7]))
+    recving, failed, _ = collect_until(worker, lambda r, f, s: s)
+    stats = worker.get_stats()
+    worker.shutdown()
+    assert (recving, failed) == ({"req-1"}, set())
+    (acquire,) = [f for f in channel.frames if isinstance(f, protocol.Acquire)]
+    assert acquire.readers == 2  # the producer's lease ends with the second rank's release
+    assert stats.data["bytes"] == 2 * 40 * UNIT  # this rank's two heads only

@@ -40,20 +40,30 @@ def engine_kv_layout(vllm_config: VllmConfig, model_identity: str | None = None)
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     layers = mc.get_num_layers(pc)
     if (latent := _mla_latent(vllm_config)) is not None:
-        kv = f"MLA latent {latent[0]}+{latent[1]} (any TP size)"
+        kv = f"MLA latent {latent[0]}+{latent[1]}"
     else:
         kv = (
-            f"per-head K/V {mc.get_num_kv_heads(pc)} heads x {mc.get_head_size()} "
+            f"per-head K/V {mc.get_total_num_kv_heads()} heads x {mc.get_head_size()} "
             f"(TP {pc.tensor_parallel_size})"
         )
     words = f"{kv}, {layers} layers, {mc.dtype}, KV {cc.cache_dtype}, block {cc.block_size}"
     return words if model_identity is None else f"{words}, model {short_identity(model_identity)}"
 
 
-def engine_compat_hash(vllm_config: VllmConfig, model_identity: str | None = None) -> str:
+def engine_kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV heads, all TP ranks together (an MLA latent counts as one head)."""
+    if kv_is_replicated(vllm_config):
+        return 1
+    return vllm_config.model_config.get_total_num_kv_heads()
+
+
+def engine_compat_hash(
+    vllm_config: VllmConfig, model_identity: str | None = None, *, any_layout: bool = False
+) -> str:
     """What producer and consumer must agree on for a raw block copy: the KV layout and, since
     KV from other weights of the same shape decodes into a wrong answer, the model
-    (``model_identity.engine_model_identity``; None leaves it out)."""
+    (``model_identity.engine_model_identity``; None leaves it out). ``any_layout``: leave the TP
+    size and block size out, for a consumer that re-lays KV out (``planning.plan_pull``)."""
     from vllm.platforms import current_platform
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
@@ -67,14 +77,14 @@ def engine_compat_hash(vllm_config: VllmConfig, model_identity: str | None = Non
     return compat_hash(
         architectures=getattr(mc.hf_config, "architectures", None),
         layers=mc.get_num_layers(pc),
-        kv_heads=mc.get_num_kv_heads(pc),
+        kv_heads=engine_kv_heads(vllm_config) if any_layout else mc.get_num_kv_heads(pc),
         head_size=mc.get_head_size(),
         use_mla=use_mla,
         mla_latent=mla_latent,
         dtype=str(mc.dtype),
         kv_dtype=cc.cache_dtype,
-        block_size=cc.block_size,
-        tp_size=None if use_mla else pc.tensor_parallel_size,
+        block_size=None if any_layout else cc.block_size,
+        tp_size=None if use_mla or any_layout else pc.tensor_parallel_size,
         device=current_platform.device_type,
         model=model_identity,
     )

@@ -21,7 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from mooncake_vllm.core.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.core.facade import HalvesConnector
-from mooncake_vllm.core.identity import engine_compat_hash, engine_kv_layout, kv_is_replicated
+from mooncake_vllm.core.identity import (
+    engine_compat_hash,
+    engine_kv_heads,
+    engine_kv_layout,
+    kv_is_replicated,
+)
 from mooncake_vllm.core.model_identity import engine_model_identity
 from mooncake_vllm.p2p.config import load_settings, resolve
 from mooncake_vllm.p2p.leases.client import RankLayout
@@ -66,8 +71,10 @@ class MooncakeConnector(HalvesConnector):
         self._scheduler: SchedulerHalf | None = None
         self._worker = None
         model_identity = engine_model_identity(vllm_config, settings.model_identity)
-        compat = engine_compat_hash(vllm_config, model_identity)
-        replicated = kv_is_replicated(vllm_config)  # MLA: any TP size on either side
+        # Any TP size and block size on either side: the consumer re-lays the KV out.
+        compat = engine_compat_hash(vllm_config, model_identity, any_layout=True)
+        replicated = kv_is_replicated(vllm_config)
+        kv_heads = engine_kv_heads(vllm_config)
         if self.role == KVConnectorRole.SCHEDULER:
             warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
             self._scheduler = SchedulerHalf(
@@ -76,6 +83,7 @@ class MooncakeConnector(HalvesConnector):
                 compat,
                 kv_layout=engine_kv_layout(vllm_config, model_identity),
                 kv_replicated=replicated,
+                kv_heads=kv_heads,
                 probe=probe,
             )
         else:
@@ -91,6 +99,8 @@ class MooncakeConnector(HalvesConnector):
                 compat,
                 kv_cache_config.num_blocks,
                 kv_replicated=replicated,
+                kv_heads=kv_heads,
+                block_size=vllm_config.cache_config.block_size,
             )
 
     # ---- worker side ---------------------------------------------------------------------

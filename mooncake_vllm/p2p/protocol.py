@@ -77,16 +77,17 @@ def validate_handoff(
     h: Handoff,
     *,
     prompt_len: int,
-    block_size: int,
     compat_hash: str,
+    kv_heads: int,
     tp_size: int,
+    block_size: int,
     kv_layout: str = "",
-    kv_replicated: bool = False,
 ) -> None:
     """Check a handoff against the request and this consumer; raises HandoffError.
 
-    ``kv_replicated``: this consumer's KV is the same on every TP rank (MLA), so a producer of
-    any TP size can serve it (the compat hash then leaves the TP size out)."""
+    TP sizes may differ (``planning.plan_pull`` reads each head from a rank that holds it); the
+    model, dtypes, head size and KV heads (``kv_heads``, all ranks) must not (the compat hash),
+    nor the block size (the backend's block interior is not token-addressable)."""
     if h.compat_hash != compat_hash:
         layouts = (
             f"; producer: {h.kv_layout}, this consumer: {kv_layout}"
@@ -95,29 +96,34 @@ def validate_handoff(
         )
         raise HandoffError(
             f"compat hash mismatch: producer {h.compat_hash[:12]}, consumer {compat_hash[:12]} "
-            "(different model, dtype, KV dtype, block size, TP size or KV layout: MLA latent "
+            "(different model, dtype, KV dtype, head size, KV heads or KV layout: MLA latent "
             f"vs per-head K/V, or another MLA latent width){layouts}"
         )
     if h.prompt_len != prompt_len:
         raise HandoffError(f"prompt length {prompt_len} differs from the producer's {h.prompt_len}")
     if h.block_size != block_size:
-        raise HandoffError(f"block size {block_size} differs from the producer's {h.block_size}")
-    need = -(-prompt_len // block_size)
+        raise HandoffError(
+            f"block size {h.block_size} at the producer, {block_size} here: serve both with the "
+            "same --block-size (a block's tokens are not byte ranges in vLLM's CPU attention, so "
+            "blocks are copied whole)"
+        )
+    need = -(-prompt_len // h.block_size)
     if len(h.remote_block_ids) != need:
         raise HandoffError(
-            f"{len(h.remote_block_ids)} remote blocks for {prompt_len} tokens, expected {need}"
+            f"{len(h.remote_block_ids)} remote blocks for {prompt_len} tokens of block size "
+            f"{h.block_size}, expected {need}"
         )
-    if not kv_replicated and h.producer_tp_size != tp_size:
-        raise HandoffError(
-            f"producer has {h.producer_tp_size} TP ranks, consumer {tp_size}: per-head K/V is "
-            "sharded by TP rank, so both sides need the same TP size"
-        )
+    for side, tp in (("producer", h.producer_tp_size), ("consumer", tp_size)):
+        if not (kv_heads % tp == 0 or tp % kv_heads == 0):
+            raise HandoffError(
+                f"{kv_heads} KV heads cannot be sharded over the {side}'s TP size {tp}"
+            )
 
 
 # ---- side-channel frames -------------------------------------------------------------------
 # The frame version is part of every tag ("acquire/2"): a peer speaking another version gets its
 # frames dropped as malformed (and counted), never misread.
-FRAME_VERSION = 2
+FRAME_VERSION = 3
 # Owner tokens: random per pull, so only the peer that acquired a lease can release it.
 OWNER_BYTES = 16
 
@@ -132,9 +138,9 @@ class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     ``remote_block_ids``: exactly the blocks of the hold (the handoff's), even when the consumer
     reads fewer (a local prefix-cache hit). ``owner``: a random token of this pull; only a
     ``Release`` carrying it ends the lease. ``readers``: how many consumer ranks will pull this
-    lease (and each release it). 1 for per-head K/V (rank r pulls rank r's shard); the consumer's
-    TP size for an MLA latent, which every producer rank holds whole, so all consumer ranks share
-    one lease (``LeaseTable``)."""
+    lease (and each release it): ``planning.lease_readers`` for per-head K/V (one lease per
+    producer rank); the consumer's TP size for an MLA latent, which every producer rank holds
+    whole, so all consumer ranks share one lease (``LeaseTable``)."""
 
     transfer_id: str
     remote_block_ids: list[int]

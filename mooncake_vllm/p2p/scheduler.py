@@ -65,10 +65,13 @@ class SchedulerHalf:
         *,
         kv_layout: str = "",
         kv_replicated: bool = False,
+        kv_heads: int = 1,
         probe: Probe | None = None,
     ):
-        """``probe``: what ``vllm_glue.check_vllm`` found (None: look for the engine core)."""
+        """``kv_heads``: the model's KV heads, all ranks (1 for an MLA latent). ``probe``: what
+        ``vllm_glue.check_vllm`` found (None: look for the engine core)."""
         self._cfg = cfg
+        self._kv_heads = kv_heads
         self._block_size = block_size
         self._compat_hash = compat_hash
         self._kv_layout = kv_layout
@@ -146,15 +149,22 @@ class SchedulerHalf:
             return
         local_block_ids = blocks.get_unhashed_block_ids()
         cached = sum(1 for b in blocks.blocks[0] if b.block_hash is not None)
-        remote_block_ids = handoff.remote_block_ids[cached:] if handoff else []
-        if error is None and len(remote_block_ids) != len(local_block_ids):
+        need = -(-request.num_prompt_tokens // self._block_size) - cached
+        if error is None and len(local_block_ids) != need:
             error = (
-                f"{len(local_block_ids)} local blocks to fill but {len(remote_block_ids)} "
-                f"remote blocks after {cached} locally cached"
+                f"{len(local_block_ids)} local blocks to fill, expected {need} after {cached} "
+                "locally cached"
             )
         if error is not None:
             logger.warning("request %s: handoff rejected: %s", req_id, error)
-        self._loads[req_id] = LoadSpec(req_id, handoff, remote_block_ids, local_block_ids, error)
+        self._loads[req_id] = LoadSpec(
+            req_id,
+            handoff,
+            handoff.remote_block_ids if handoff else [],
+            local_block_ids,
+            error,
+            first_token=cached * self._block_size,
+        )
         if self._pins is not None:
             self._pins.pin(req_id, local_block_ids)
 
@@ -209,11 +219,11 @@ class SchedulerHalf:
             validate_handoff(
                 handoff,
                 prompt_len=request.num_prompt_tokens,
-                block_size=self._block_size,
                 compat_hash=self._compat_hash,
+                kv_heads=self._kv_heads,
                 tp_size=self._cfg.tp_size,
+                block_size=self._block_size,
                 kv_layout=self._kv_layout,
-                kv_replicated=self._kv_replicated,
             )
         except HandoffError as e:
             return handoff, str(e)  # still release the producer's lease

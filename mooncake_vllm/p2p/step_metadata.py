@@ -12,7 +12,9 @@ from mooncake_vllm.p2p.protocol import Handoff
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Pull ``remote_block_ids[i] → local_block_ids[i]`` for one consumer request.
+    """Pull prompt tokens from ``first_token`` on (where the local prefix cache stops) into
+    ``local_block_ids`` for one consumer request; ``remote_block_ids`` are all the producer's
+    blocks of the prompt (``planning.plan_pull`` maps tokens across block sizes).
 
     ``error`` set: the handoff was rejected by the scheduler; the worker reports the load as
     failed so vLLM's ``kv_load_failure_policy`` decides. ``local_block_ids`` empty with no error:
@@ -24,6 +26,7 @@ class LoadSpec:
     remote_block_ids: list[int]
     local_block_ids: list[int]
     error: str | None = None
+    first_token: int = 0
 
 
 @dataclass

@@ -4,8 +4,10 @@ Producer: registers the KV cache with the transfer engine and hands its layout t
 half (vLLM's handshake metadata), whose side channel serves the leases (``leases.client``); reports
 the requests whose leases ended as finished-sending, which frees the blocks.
 
-Consumer: each load is one pull job on a small thread pool, off the forward path:
-``Acquire`` (side channel) → plan regions → transfer-engine read → ``Release``. The job never
+Consumer: each load is one pull job on a small thread pool, off the forward path. For each
+producer rank holding heads this rank needs (``planning.head_sources``; any TP sizes): ``Acquire``
+(side channel) → plan regions (``planning.plan_pull``; any block sizes) → transfer-engine read →
+``Release``. The job never
 raises; its outcome is collected by ``get_transfer_results`` on the step thread, so no failure is
 lost. A failed pull is reported in ``failed_recving`` and vLLM's ``kv_load_failure_policy``
 decides. When a pull ends the worker wakes the scheduler half (``local_channels``), which lets
@@ -24,6 +26,7 @@ engine's first handshake (which can block in C++) at the deadline submits nothin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -38,7 +41,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from mooncake_vllm.core.auth import AuthError, host_allowed, open_record, seal_record, short_id
 from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWorkerMeta
 from mooncake_vllm.core.os_threads import make_latency_critical, name_this_thread
-from mooncake_vllm.core.planning import kv_cache_regions, plan_regions, producer_rank_for
+from mooncake_vllm.core.planning import (
+    head_sources,
+    kv_cache_regions,
+    lease_readers,
+    plan_pull,
+    producer_rank_for,
+    rank_heads,
+)
 from mooncake_vllm.core.registry import (
     EngineRecord,
     ServingRecord,
@@ -98,6 +108,18 @@ class PullOutcome(LoadOutcome):
     stalls: int = 0
 
 
+@dataclass
+class _Totals:
+    """One pull's figures, summed over the producer ranks it reads."""
+
+    nbytes: int = 0
+    entries: int = 0
+    acquire_s: float = 0.0
+    read_s: float = 0.0
+    retries: int = 0
+    stalls: int = 0
+
+
 def _memory_location(t: torch.Tensor) -> str:
     # GPU hosts: tell the engine which device owns the memory. CPU: let it detect.
     return f"cuda:{t.device.index}" if t.device.type == "cuda" else "*"
@@ -111,11 +133,18 @@ class WorkerHalf:
         compat_hash: str,
         num_blocks: int,
         kv_replicated: bool = False,
+        kv_heads: int = 1,
+        block_size: int | None = None,
     ):
+        """``kv_heads``: the model's KV heads, all ranks (1 for an MLA latent); ``block_size``:
+        this engine's (None: whole-block copies from a producer of the same layout only)."""
         self._cfg = cfg
         self._tp_rank = tp_rank
         # MLA: the latent is the same on every TP rank (see planning.producer_rank_for).
         self._kv_replicated = kv_replicated
+        self._kv_heads = kv_heads
+        self._heads = rank_heads(kv_heads, cfg.tp_size, tp_rank)
+        self._block_size = block_size
         self._num_blocks = num_blocks
         self._engine: TransferAgent | None = None
         self._segments: list[MemSegment] = []
@@ -144,7 +173,15 @@ class WorkerHalf:
     # ---- setup ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        segments, tensors = kv_cache_regions(kv_caches, self._num_blocks)
+        # vLLM's CPU attention keeps a head's K column-major inside a block: heads split into
+        # byte ranges, tokens do not (other block sizes would need a staging copy).
+        segments, tensors = kv_cache_regions(
+            kv_caches,
+            self._num_blocks,
+            self._block_size,
+            len(self._heads),
+            tokens_addressable=False,
+        )
         storages = {a: (n, _memory_location(t)) for a, (n, t) in tensors.items()}
         self._segments = segments
         self._bytes_per_block = sum(s.block_len for s in segments)
@@ -308,89 +345,138 @@ class WorkerHalf:
     def _pull(self, load: LoadSpec, job: LoadJob[PullOutcome]) -> PullOutcome:
         start, deadline = time.monotonic(), job.deadline_s
         h = load.handoff
-        address = None
         if not load.local_block_ids:  # vLLM does not wait on this one: just free the lease
             if h is not None:
                 self._give_back(h, load.error is None)
             return PullOutcome(load.req_id, ok=True)
-        # Only the holder of this token can release the lease this pull acquires.
-        owner = secrets.token_bytes(OWNER_BYTES)
-        acquired = succeeded = False
+        # Acquired leases, by producer side channel, with the owner token that releases each.
+        acquired: dict[str, bytes] = {}
+        succeeded = False
         try:
             if load.error is not None:
                 if h is not None:  # rejected (e.g. another model's KV): free its lease now
                     self._releases.submit(self._give_back, h, False)
                 raise PullFailed(load.error)
             assert h is not None and self._engine is not None
-            address = self._producer_address(h)
-            reply = self._acquire(address, h, owner, timeout_s=deadline - time.monotonic())
-            if isinstance(reply, Refused):
-                return PullOutcome(load.req_id, ok=False, reason=reply.reason, refused=True)
-            acquired = True
-            self._check_trusted(reply.te_segment.rpartition(":")[0], "transfer-engine segment")
-            if reply.incarnation != h.producer_incarnation:
-                raise PullFailed(
-                    f"granted by incarnation {reply.incarnation!r} of the producer, the handoff "
-                    f"is from {h.producer_incarnation!r}"
+            out = _Totals()
+            for rank, heads in self._sources(h).items():
+                address = self._producer_address(h, rank)
+                # Only the holder of this token can release the lease this acquire pins.
+                owner = secrets.token_bytes(OWNER_BYTES)
+                asked_at = time.monotonic()
+                reply = self._acquire(
+                    address, h, owner, self._readers(h, rank), deadline - time.monotonic()
                 )
-            acquired_at = time.monotonic()
-            regions = plan_regions(
-                reply.segments, self._segments, load.remote_block_ids, load.local_block_ids
-            )
-            # The first contact with a producer does the engine's handshake, which can block:
-            # into a scratch buffer, so an abandoned pull never writes into the blocks.
-            s = self._cfg.settings
-            self._engine.warm_up(
-                reply.te_segment,
-                reply.segments[0].base_addr,
-                deadline=deadline,
-                stall_s=s.stall_timeout_s,
-                incarnation=reply.incarnation,
-            )
-            read = self._engine.read(
-                reply.te_segment,
-                regions,
-                deadline=deadline,
-                stall_s=s.stall_timeout_s,
-                max_in_flight=s.max_batch_entries,
-                should_start=job.start_writing,
-            )
+                if isinstance(reply, Refused):
+                    return PullOutcome(load.req_id, ok=False, reason=reply.reason, refused=True)
+                acquired[address] = owner
+                out.acquire_s += time.monotonic() - asked_at
+                if heads:
+                    self._read(load, h, rank, heads, reply, job, out)
             succeeded = True
             logger.debug(
-                "request %s: pulled %d blocks (%d B, %d entries) from %s: acquire %.1f ms, "
-                "read %.1f ms",
+                "request %s: pulled %d blocks (%d B, %d entries) from %d producer rank(s): "
+                "acquire %.1f ms, read %.1f ms",
                 load.req_id,
                 len(load.local_block_ids),
-                read.bytes,
-                read.entries,
-                reply.te_segment,
-                1000 * (acquired_at - start),
-                1000 * read.duration_s,
+                out.nbytes,
+                out.entries,
+                len(acquired),
+                1000 * out.acquire_s,
+                1000 * out.read_s,
             )
             return PullOutcome(
                 load.req_id,
                 ok=True,
-                nbytes=read.bytes,
                 blocks=len(load.local_block_ids),
-                entries=read.entries,
                 duration_s=time.monotonic() - start,
-                acquire_s=acquired_at - start,
-                read_s=read.duration_s,
-                retries=read.retries,
-                stalls=read.stalls,
+                **dataclasses.asdict(out),
             )
         except Exception as e:
             return PullOutcome(load.req_id, ok=False, reason=f"{type(e).__name__}: {e}")
         finally:
-            if acquired and h is not None and address is not None:
+            for address, owner in acquired.items():
                 self._releases.submit(self._release, address, h.transfer_id, owner, succeeded)
 
-    def _producer_address(self, h: Handoff) -> str:
-        """The side channel of the producer rank this worker pulls from: named in the handoff,
-        or looked up by the producer's engine id in the engine registry."""
-        rank = producer_rank_for(
-            self._tp_rank, self._cfg.tp_size, h.producer_tp_size, self._kv_replicated
+    def _read(
+        self,
+        load: LoadSpec,
+        h: Handoff,
+        rank: int,
+        heads: list[int],
+        reply: Granted,
+        job: LoadJob[PullOutcome],
+        out: _Totals,
+    ) -> None:
+        """Reads ``heads`` of the prompt from producer rank ``rank`` (granted ``reply``) into
+        this rank's blocks, adding to ``out``; raises on failure."""
+        assert self._engine is not None
+        self._check_trusted(reply.te_segment.rpartition(":")[0], "transfer-engine segment")
+        if reply.incarnation != h.producer_incarnation:
+            raise PullFailed(
+                f"granted by incarnation {reply.incarnation!r} of the producer, the handoff "
+                f"is from {h.producer_incarnation!r}"
+            )
+        regions = plan_pull(
+            reply.segments,
+            self._segments,
+            heads=heads,
+            src_heads=rank_heads(self._kv_heads, h.producer_tp_size, rank),
+            dst_heads=self._heads,
+            src_block_size=h.block_size,
+            dst_block_size=self._block_size or h.block_size,
+            remote_block_ids=load.remote_block_ids,
+            local_block_ids=load.local_block_ids,
+            first_token=load.first_token,
+            end_token=h.prompt_len,
         )
+        # The first contact with a producer does the engine's handshake, which can block:
+        # into a scratch buffer, so an abandoned pull never writes into the blocks.
+        s = self._cfg.settings
+        self._engine.warm_up(
+            reply.te_segment,
+            reply.segments[0].base_addr,
+            deadline=job.deadline_s,
+            stall_s=s.stall_timeout_s,
+            incarnation=reply.incarnation,
+        )
+        read = self._engine.read(
+            reply.te_segment,
+            regions,
+            deadline=job.deadline_s,
+            stall_s=s.stall_timeout_s,
+            max_in_flight=s.max_batch_entries,
+            should_start=job.start_writing,
+        )
+        out.nbytes += read.bytes
+        out.entries += read.entries
+        out.read_s += read.duration_s
+        out.retries += read.retries
+        out.stalls += read.stalls
+
+    def _sources(self, h: Handoff) -> dict[int, list[int]]:
+        """The producer ranks whose lease this rank acquires, each with the heads it reads
+        there (none: acquired only to be released, so the lease ends)."""
+        producer_tp, tp = h.producer_tp_size, self._cfg.tp_size
+        if self._kv_replicated:  # one lease for all ranks: acquire it where the latent is read
+            return {producer_rank_for(self._tp_rank, tp, producer_tp, True): [0]}
+        readers = lease_readers(self._kv_heads, producer_tp, tp)
+        out: dict[int, list[int]] = {
+            p: [] for p, ranks in readers.items() if self._tp_rank in ranks
+        }
+        for head, p in head_sources(self._kv_heads, producer_tp, tp, self._tp_rank).items():
+            out[p].append(head)
+        return out
+
+    def _readers(self, h: Handoff, rank: int) -> int:
+        """How many consumer ranks acquire producer rank ``rank``'s lease."""
+        if self._kv_replicated:
+            return self._cfg.tp_size
+        return len(lease_readers(self._kv_heads, h.producer_tp_size, self._cfg.tp_size)[rank])
+
+    def _producer_address(self, h: Handoff, rank: int) -> str:
+        """The side channel of producer rank ``rank``: named in the handoff, or looked up by
+        the producer's engine id in the engine registry."""
         if h.side_channel_ports:
             return f"{h.side_channel_host}:{h.side_channel_ports[rank]}"
         if self._bridge is None:
@@ -421,11 +507,9 @@ class WorkerHalf:
             )
 
     def _acquire(
-        self, address: str, h: Handoff, owner: bytes, timeout_s: float
+        self, address: str, h: Handoff, owner: bytes, readers: int, timeout_s: float
     ) -> Granted | Refused:
-        # Every consumer rank reads a replicated latent: they share one producer lease. The
-        # acquire names all the hold's blocks, whatever this consumer reads of them.
-        readers = self._cfg.tp_size if self._kv_replicated else 1
+        # The acquire names all the hold's blocks, whatever this consumer reads of them.
         reply = self._client.call(
             address,
             Acquire(h.transfer_id, h.remote_block_ids, owner, readers, h.producer_incarnation),
@@ -436,15 +520,22 @@ class WorkerHalf:
         return reply
 
     def _give_back(self, h: Handoff, ok: bool) -> None:
-        """Ends the lease of a handoff this consumer will not read (its prompt is cached here,
+        """Ends the leases of a handoff this consumer will not read (its prompt is cached here,
         or the handoff was rejected): acquire, then release, since only an owner may release."""
-        owner = secrets.token_bytes(OWNER_BYTES)
         try:
-            address = self._producer_address(h)
-            if isinstance(self._acquire(address, h, owner, _RELEASE_TIMEOUT_S), Granted):
-                self._release(address, h.transfer_id, owner, ok)
-        except Exception as e:  # the producer's lease TTL frees the blocks anyway
+            ranks = list(self._sources(h))
+        except Exception as e:  # a layout we cannot serve: the lease TTL frees the blocks
             logger.info("giving back transfer %s failed: %s", short_id(h.transfer_id), e)
+            return
+        for rank in ranks:
+            owner = secrets.token_bytes(OWNER_BYTES)
+            try:
+                address = self._producer_address(h, rank)
+                reply = self._acquire(address, h, owner, self._readers(h, rank), _RELEASE_TIMEOUT_S)
+                if isinstance(reply, Granted):
+                    self._release(address, h.transfer_id, owner, ok)
+            except Exception as e:  # the producer's lease TTL frees the blocks anyway
+                logger.info("giving back transfer %s failed: %s", short_id(h.transfer_id), e)
 
     def _release(self, address: str, transfer_id: str, owner: bytes, ok: bool) -> None:
         try:

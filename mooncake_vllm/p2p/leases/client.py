@@ -8,8 +8,9 @@ us through vLLM's handshake metadata) and report the requests whose leases ended
 finished-sending, which frees the blocks (``MooncakeConnectorMetadata``).
 
 One side channel per TP rank. Per-head K/V is sharded by rank: one ``LeaseTable`` per rank,
-consumer rank r pulls rank r's shard and releases it, and a request's blocks are freed once every
-rank's lease has ended. An MLA latent is replicated (every rank holds all of it): one table for all
+acquired and released by the consumer ranks that read heads from it (``planning.lease_readers``:
+any consumer TP size; the first acquire says how many), and a request's blocks are freed once
+every rank's lease has ended. An MLA latent is replicated (every rank holds all of it): one table for all
 ranks, each consumer rank pulls the latent once from one producer rank
 (``planning.producer_rank_for``), and the request's blocks — on every producer rank — are freed
 when all consumer ranks have released it.
@@ -53,8 +54,9 @@ logger = logging.getLogger(__name__)
 
 # Python's start-up and the imports of zmq and msgspec take well under a second.
 _START_TIMEOUT_S = 30.0
-# An MLA latent's lease is shared by every consumer rank: at most this many (a TP size).
-MAX_REPLICATED_READERS = 64
+# Consumer ranks that may share one lease (a TP size): all of them for an MLA latent, several
+# for a per-head rank when the consumer's TP is larger (``planning.lease_readers``).
+MAX_READERS = 64
 
 
 class LeaseService:
@@ -62,7 +64,7 @@ class LeaseService:
         s = cfg.settings
         self._tp_size = cfg.tp_size
         self._tables = 1 if kv_replicated else cfg.tp_size
-        self._max_readers = MAX_REPLICATED_READERS if kv_replicated else 1
+        self._max_readers = MAX_READERS
         # This start of the engine: handoffs carry it, and a restarted producer on the same
         # address refuses the ones of its previous life (``SideChannelServer``).
         self.incarnation = secrets.token_hex(8)

@@ -10,16 +10,16 @@ Lifecycle: ``HELD --acquire--> PULLING --release--> ENDED``; HELD/PULLING --ttl/
 A PULLING lease is not evicted, and expires only at its pull deadline, so a live copy is never
 pulled from under the consumer.
 
-Readers: a lease is pulled by one consumer rank (per-head K/V: one table per producer rank, rank r
-pulls rank r), or by every consumer rank (an MLA latent is replicated across TP ranks: one table
-serves all producer ranks, and the first ``Acquire`` says how many consumer ranks will read). It
-ends when all its readers have released it; until then it stays pinned (or expires at the pull
-deadline if a reader never comes).
+Readers: a lease is pulled by the consumer ranks that read heads from it (per-head K/V: one table
+per producer rank; ``planning.lease_readers``), or by every consumer rank (an MLA latent is
+replicated across TP ranks: one table serves all producer ranks). The first ``Acquire`` says how
+many consumer ranks will read. It ends when all its readers have released it; until then it stays
+pinned (or expires at the pull deadline if a reader never comes).
 
 Ownership: an ``Acquire`` must name exactly the hold's blocks and carries a random owner token;
 only a ``Release`` with the token of an acquire of that lease ends it (a stranger who never
 acquired, or who guessed nothing, changes nothing). ``readers`` is bounded by the hold's
-``max_readers`` (1 for a per-rank table) and fixed by the first acquire.
+``max_readers`` and fixed by the first acquire.
 
 Used by the lease server's one thread (``leases.process``); locked all the same.
 """

@@ -1,0 +1,141 @@
+"""Handoffs between engines of different TP sizes, on real servers: a TP2 engine ("wide",
+kv_both, two worker processes) beside the shared cluster's TP1 engines.
+
+- TP1 → TP2: the shared prefill hands over to wide; each wide rank reads only its two KV heads
+  of every layer from the one producer rank (both share its lease).
+- TP2 → TP1: wide hands over to the shared "both" engine (vLLM's default failure policy
+  ``fail``), whose one rank reads two heads from each wide rank.
+- TP2 → TP2 (the same layout): wide to itself (no prefix cache), rank to rank, whole blocks.
+- A handoff between different block sizes is refused before any byte moves (vLLM's CPU attention
+  keeps K column-major inside a block, so blocks are copied whole): tests/test_protocol.py.
+
+Each case is proven token for token against the shared plain vLLM, by vLLM's counter of prompt
+tokens loaded by transfer (every prompt token), by our pull-failure counter (0) and by the bytes
+pulled: the prompt's blocks × the model's KV bytes per block, each head read once. A prompt that
+shares a prefix with one served before reads only the blocks after the consumer's cached ones.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import LOAD_TIMEOUT_S, WIDE_HOST
+
+from harness.pd import (
+    PULL_COUNTERS,
+    ServerSpec,
+    client_session,
+    complete,
+    kv_args,
+    pulls_since,
+    start_many,
+    tokens_by_transfer,
+    two_legs,
+)
+from harness.tiny_model import TinyModelSpec
+
+pytestmark = pytest.mark.servers
+
+SPEC = TinyModelSpec()  # the shared cluster's model: 4 layers, 4 KV heads of 64, float32
+BLOCK = 128  # vLLM's CPU default, on both sides
+KV_BYTES_PER_BLOCK = BLOCK * SPEC.layers * SPEC.kv_heads * 2 * SPEC.head_dim * 4
+MAX_TOKENS = 8
+LENGTHS = [1, 63, 127, 128, 129, 300, 700]
+
+
+@pytest.fixture(scope="module")
+def wide(cluster):
+    """TP2 (two worker processes), producer and consumer, vLLM's default failure policy, no
+    prefix caching."""
+    args = [
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "mp",
+        # Its handoffs to itself would otherwise come from its own prefix cache.
+        "--no-enable-prefix-caching",
+        *kv_args(
+            "kv_both",
+            {
+                "prefill_url": f"{WIDE_HOST}:13040",
+                "load_timeout_s": LOAD_TIMEOUT_S,
+                "trusted_producers": ["127.0.0.2", "127.0.0.4", WIDE_HOST],
+            },
+        ),
+    ]
+    env = {"MOONCAKE_CONFIG_PATH": str(cluster.config_path)}
+    (server,) = start_many(cluster.model, [ServerSpec("wide-tp2", WIDE_HOST, args, env)])
+    yield server
+    server.stop()
+
+
+def _prompts(seed: int, lengths=LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, SPEC.vocab) for _ in range(n)] for n in lengths]
+
+
+def _body(model: str, prompt: list[int]) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+async def _handover(pd, producer, consumer, prompts, tp: int) -> tuple[dict[str, float], float]:
+    """Each prompt through ``producer`` → ``consumer`` (of ``tp`` ranks), token-exact against
+    plain; returns the consumer's pull counters and the prompt tokens it counted as transferred,
+    as deltas. Every consumer rank counts its own pull."""
+    before, by_transfer = PULL_COUNTERS.read(consumer), tokens_by_transfer(consumer)
+    async with client_session() as http:
+        for prompt in prompts:
+            body = _body(pd.model, prompt)
+            plain = await complete(http, pd.plain, body)
+            _, tail = await two_legs(http, producer, consumer, body)
+            assert tail.token_ids == plain.token_ids, f"{len(prompt)}-token prompt differs"
+    moved = await pulls_since(consumer, before, len(prompts) * tp)
+    return moved, tokens_by_transfer(consumer) - by_transfer
+
+
+def _blocks(prompts) -> int:
+    return sum(-(-len(p) // BLOCK) for p in prompts)
+
+
+def _check(moved: dict[str, float], by_transfer: float, prompts, tp: int) -> None:
+    assert moved["pull_failures"] == 0
+    assert moved["pulls"] == len(prompts) * tp
+    # Every prompt token (vLLM may compute a prompt's last token itself).
+    tokens = sum(len(p) for p in prompts)
+    assert tokens - len(prompts) <= by_transfer <= tokens
+    # Each head of each block once, whatever the TP sizes.
+    assert moved["bytes"] == _blocks(prompts) * KV_BYTES_PER_BLOCK
+
+
+async def test_tp1_to_tp2(pd, wide):
+    prompts = _prompts(1)
+    _check(*await _handover(pd, pd.prefill, wide, prompts, 2), prompts, 2)
+
+
+async def test_tp2_to_tp1_under_the_fail_policy(pd, wide):
+    prompts = _prompts(2)
+    _check(*await _handover(pd, wide, pd.both, prompts, 1), prompts, 1)
+
+
+async def test_tp2_to_tp2(pd, wide):
+    prompts = _prompts(3)
+    _check(*await _handover(pd, wide, wide, prompts, 2), prompts, 2)
+
+
+async def test_a_partial_prefix_hit_on_the_consumer_reads_only_the_rest(pd, wide):
+    """A prompt sharing 200 tokens with one "both" served before: "both" caches its first block
+    (128 tokens), so the TP2 → TP1 pull reads the prompt's two other blocks only."""
+    (first,) = _prompts(4, [250])
+    second = first[:200] + _prompts(5, [100])[0]
+    await _handover(pd, wide, pd.both, [first], 1)
+    before, by_transfer = PULL_COUNTERS.read(pd.both), tokens_by_transfer(pd.both)
+    async with client_session() as http:
+        body = _body(pd.model, second)
+        plain = await complete(http, pd.plain, body)
+        _, tail = await two_legs(http, wide, pd.both, body)
+    assert tail.token_ids == plain.token_ids
+    moved = await pulls_since(pd.both, before, 1)
+    assert (moved["pulls"], moved["pull_failures"]) == (1, 0)
+    assert tokens_by_transfer(pd.both) - by_transfer == len(second) - BLOCK
+    assert moved["bytes"] == 2 * KV_BYTES_PER_BLOCK
