@@ -138,6 +138,8 @@ def median(values: Sequence[float]) -> float:
 
 
 def fmt(value: Any) -> str:
+    if value is None:  # a cell that does not apply to its row
+        return "-"
     if isinstance(value, float):
         if value != value:  # NaN
             return "-"

@@ -1,19 +1,21 @@
 """The producer side of the transfer benchmark, run as its own process by ``benchmarks.transfer``.
 
-Allocates KV-shaped layer buffers, fills every (layer, block) with a known byte, registers them with
-a transfer engine (``mooncake_vllm.transfer.engine``) and serves a loopback TCP socket that sends N
-bytes on request (the socket baseline). Prints one JSON line — engine segment, buffer addresses,
-socket port — then waits until its stdin closes, and unregisters.
+Allocates KV-shaped layer buffers, fills every (layer, block) with known bytes (``block_content``),
+registers them with a transfer engine (``mooncake_vllm.transfer.engine``) and serves a loopback TCP
+socket that sends N bytes on request (the socket baseline). Prints one JSON line — engine segment,
+buffer addresses, socket port — then waits until its stdin closes, and unregisters.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import struct
 import sys
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,17 +23,34 @@ from mooncake_vllm.transfer.engine import TransferAgent
 
 
 def block_byte(layer: int, block: int) -> int:
-    """The byte every position of ``block`` in ``layer`` holds on the producer."""
+    """The base byte of ``block`` in ``layer`` on the producer (``block_content``)."""
     return (layer * 31 + block * 7 + 1) % 251
+
+
+@functools.cache
+def _position_bytes(block_bytes: int) -> np.ndarray:
+    """A pseudo-random byte per position of a block (splitmix64 of the position), so that a slab or
+    a token copied to the wrong place shows."""
+    x = np.arange(block_bytes, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (x ^ (x >> np.uint64(31))).astype(np.uint8)
+
+
+def block_content(layer: int, blocks: Sequence[int], block_bytes: int) -> np.ndarray:
+    """What ``blocks`` of ``layer`` hold on the producer, ``(len(blocks), block_bytes)`` bytes:
+    the position's byte plus the block's base byte (mod 256)."""
+    base = np.array([block_byte(layer, b) for b in blocks], dtype=np.uint8)
+    return _position_bytes(block_bytes)[None, :] + base[:, None]
 
 
 def allocate(layers: int, num_blocks: int, block_bytes: int, fill: bool) -> list[np.ndarray]:
     bufs = []
     for layer in range(layers):
-        buf = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
         if fill:
-            for b in range(num_blocks):
-                buf[b] = block_byte(layer, b)
+            buf = block_content(layer, range(num_blocks), block_bytes)
+        else:
+            buf = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
         bufs.append(buf)
     return bufs
 

@@ -11,6 +11,8 @@ things that API does not offer are done here, and only here:
   (``shm_broadcast.SpinCondition.busy_loop_s``, 1 s in vLLM), found with ``gc``.
 - ``shorten_gil_switch_interval``: Python's switch interval in worker processes.
 - ``register_names``: the connector factory's private name registry (the plugin).
+- ``kv_format``: which kernels vLLM's CPU attention picks (its private ``_get_attn_isa``), which
+  decides how a block keeps its tokens (``core.reblock``).
 
 ``check_vllm`` runs when a connector is built: vLLM's version against ``TESTED`` and a probe of
 each internal. Outside the range, or if a probe fails, the engine stops with a message naming what
@@ -121,12 +123,26 @@ def probe_internals() -> Probe:
         registry = getattr(KVConnectorFactory, "_registry", None)
         return None if isinstance(registry, dict) else "KVConnectorFactory has no _registry dict"
 
+    def cpu_kv_format() -> str | None:
+        from vllm.platforms import current_platform
+
+        if current_platform.device_type != "cpu":
+            return None
+        import inspect
+
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        params = list(inspect.signature(_get_attn_isa).parameters)
+        expected = ["dtype", "block_size", "head_size", "kv_cache_dtype"]
+        return None if params == expected else f"_get_attn_isa takes {params}"
+
     check("wakeup", wakeup)
     check("engine_core", engine_core)
     check("queue_condition", queue_cond)
     check("scheduler_queues", scheduler)
     check("queue_spin", spin)
     check("connector_registry", factory)
+    check("cpu_kv_format", cpu_kv_format)
     return found
 
 
@@ -285,3 +301,21 @@ def register_names(ours: dict[str, tuple[str, str, str]], keep_builtin: bool) ->
         registry.pop(name, None)
         KVConnectorFactory.register_connector(name, module, class_name)
     return True
+
+
+def kv_format(vllm_config: Any) -> str:
+    """How this engine's attention keeps a block's tokens, as ``core.reblock`` names it:
+    ``cpu-<kernels>`` for vLLM's CPU attention (``cpu-vec`` is the one re-blocked), ``""`` for
+    anything else or when it cannot be told (then nothing is re-blocked)."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.device_type != "cpu" or mc.use_mla or cc.cache_dtype != "auto":
+            return ""
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return f"cpu-{_get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)}"
+    except Exception as e:  # probed at startup (cpu_kv_format); never fatal here
+        logger.info("KV format unknown (%s): blocks of another size are refused", e)
+        return ""

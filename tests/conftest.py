@@ -69,9 +69,9 @@ def _no_process_left_behind():
 # kv_both server serve every test module that needs them; they start together, once.
 
 LEASE_TTL_S = 10.0
-# The layout module's TP2, block-64 engine (tests/test_layout_e2e.py): the shared "both" engine
-# pulls from it.
-WIDE_HOST = "127.0.0.9"
+# The layout module's engines (tests/test_layout_e2e.py), a TP2 one and one with 64-token blocks:
+# the shared "both" engine pulls from them.
+WIDE_HOST, NARROW_HOST = "127.0.0.9", "127.0.0.10"
 LOAD_TIMEOUT_S = 10.0
 
 
@@ -119,10 +119,10 @@ def cluster(tiny_model, tmp_path_factory):
             "prefill_url": "127.0.0.4:13020",
             "load_timeout_s": LOAD_TIMEOUT_S,
             # It pulls from the pair's prefill, itself, the MLA module's prefill (whose
-            # handoff it must refuse by compat hash) and the layout module's TP2 engine only:
-            # a handoff naming another producer
-            # is refused before any frame (tests/test_hostile_peers_e2e.py).
-            "trusted_producers": [PREFILL_HOST, "127.0.0.4", "127.0.0.6", WIDE_HOST],
+            # handoff it must refuse by compat hash) and the layout module's engines only: a
+            # handoff naming another producer is refused before any frame
+            # (tests/test_hostile_peers_e2e.py).
+            "trusted_producers": [PREFILL_HOST, "127.0.0.4", "127.0.0.6", WIDE_HOST, NARROW_HOST],
         },
         kv_load_failure_policy="fail",
         kv_connector_module_path="mooncake_vllm.connector",

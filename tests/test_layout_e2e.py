@@ -1,18 +1,22 @@
-"""Handoffs between engines of different TP sizes, on real servers: a TP2 engine ("wide",
-kv_both, two worker processes) beside the shared cluster's TP1 engines.
+"""Handoffs between engines of different layouts, on real servers: a TP2 engine ("wide", kv_both,
+two worker processes) and one with 64-token blocks ("narrow") beside the shared cluster's TP1
+engines with 128-token blocks.
 
 - TP1 → TP2: the shared prefill hands over to wide; each wide rank reads only its two KV heads
   of every layer from the one producer rank (both share its lease).
 - TP2 → TP1: wide hands over to the shared "both" engine (vLLM's default failure policy
   ``fail``), whose one rank reads two heads from each wide rank.
 - TP2 → TP2 (the same layout): wide to itself (no prefix cache), rank to rank, whole blocks.
-- A handoff between different block sizes is refused before any byte moves (vLLM's CPU attention
-  keeps K column-major inside a block, so blocks are copied whole): tests/test_protocol.py.
+- Block sizes 128 → 64 and 64 → 128 ("narrow", kv_both, 64-token blocks), alone and with TP2 ↔
+  TP1: vLLM's CPU attention keeps K column-major inside a block, so the consumer stages the
+  needed heads' slabs of the producer's blocks and rearranges them into its own
+  (``core.reblock``).
 
 Each case is proven token for token against the shared plain vLLM, by vLLM's counter of prompt
 tokens loaded by transfer (every prompt token), by our pull-failure counter (0) and by the bytes
-pulled: the prompt's blocks × the model's KV bytes per block, each head read once. A prompt that
-shares a prefix with one served before reads only the blocks after the consumer's cached ones.
+pulled: the producer's blocks of the prompt × the model's KV bytes per block, each head read once.
+A prompt that shares a prefix with one served before reads only the blocks after the consumer's
+cached ones.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import LOAD_TIMEOUT_S, WIDE_HOST
+from conftest import LOAD_TIMEOUT_S, NARROW_HOST, WIDE_HOST
 
 from harness.pd import (
     PULL_COUNTERS,
@@ -38,36 +42,49 @@ from harness.tiny_model import TinyModelSpec
 pytestmark = pytest.mark.servers
 
 SPEC = TinyModelSpec()  # the shared cluster's model: 4 layers, 4 KV heads of 64, float32
-BLOCK = 128  # vLLM's CPU default, on both sides
-KV_BYTES_PER_BLOCK = BLOCK * SPEC.layers * SPEC.kv_heads * 2 * SPEC.head_dim * 4
+BLOCK, NARROW_BLOCK = 128, 64  # vLLM's CPU default, and narrow's
+KV_BYTES_PER_TOKEN = SPEC.layers * SPEC.kv_heads * 2 * SPEC.head_dim * 4
+KV_BYTES_PER_BLOCK = BLOCK * KV_BYTES_PER_TOKEN
 MAX_TOKENS = 8
 LENGTHS = [1, 63, 127, 128, 129, 300, 700]
 
 
+def _engine_args(host: str, port: int, *extra: str) -> list[str]:
+    trusted = ["127.0.0.2", "127.0.0.4", WIDE_HOST, NARROW_HOST]
+    extra_config = {
+        "prefill_url": f"{host}:{port}",
+        "load_timeout_s": LOAD_TIMEOUT_S,
+        "trusted_producers": trusted,
+    }
+    # Handoffs to itself would otherwise come from its own prefix cache.
+    return [*extra, "--no-enable-prefix-caching", *kv_args("kv_both", extra_config)]
+
+
 @pytest.fixture(scope="module")
-def wide(cluster):
-    """TP2 (two worker processes), producer and consumer, vLLM's default failure policy, no
-    prefix caching."""
-    args = [
-        "--tensor-parallel-size",
-        "2",
-        "--distributed-executor-backend",
-        "mp",
-        # Its handoffs to itself would otherwise come from its own prefix cache.
-        "--no-enable-prefix-caching",
-        *kv_args(
-            "kv_both",
-            {
-                "prefill_url": f"{WIDE_HOST}:13040",
-                "load_timeout_s": LOAD_TIMEOUT_S,
-                "trusted_producers": ["127.0.0.2", "127.0.0.4", WIDE_HOST],
-            },
-        ),
-    ]
+def engines(cluster):
+    """wide: TP2 (two worker processes); narrow: 64-token blocks. Both producer and consumer,
+    vLLM's default failure policy, no prefix caching."""
     env = {"MOONCAKE_CONFIG_PATH": str(cluster.config_path)}
-    (server,) = start_many(cluster.model, [ServerSpec("wide-tp2", WIDE_HOST, args, env)])
-    yield server
-    server.stop()
+    tp2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+    narrow = ["--block-size", str(NARROW_BLOCK), "--distributed-executor-backend", "uni"]
+    specs = [
+        ServerSpec("wide-tp2", WIDE_HOST, _engine_args(WIDE_HOST, 13040, *tp2), env),
+        ServerSpec("narrow-b64", NARROW_HOST, _engine_args(NARROW_HOST, 13050, *narrow), env),
+    ]
+    started = start_many(cluster.model, specs)
+    yield started
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def wide(engines):
+    return engines[0]
+
+
+@pytest.fixture
+def narrow(engines):
+    return engines[1]
 
 
 def _prompts(seed: int, lengths=LENGTHS) -> list[list[int]]:
@@ -94,18 +111,17 @@ async def _handover(pd, producer, consumer, prompts, tp: int) -> tuple[dict[str,
     return moved, tokens_by_transfer(consumer) - by_transfer
 
 
-def _blocks(prompts) -> int:
-    return sum(-(-len(p) // BLOCK) for p in prompts)
-
-
-def _check(moved: dict[str, float], by_transfer: float, prompts, tp: int) -> None:
+def _check(
+    moved: dict[str, float], by_transfer: float, prompts, tp: int, producer_block: int = BLOCK
+) -> None:
     assert moved["pull_failures"] == 0
     assert moved["pulls"] == len(prompts) * tp
     # Every prompt token (vLLM may compute a prompt's last token itself).
     tokens = sum(len(p) for p in prompts)
     assert tokens - len(prompts) <= by_transfer <= tokens
-    # Each head of each block once, whatever the TP sizes.
-    assert moved["bytes"] == _blocks(prompts) * KV_BYTES_PER_BLOCK
+    # Each head of each of the producer's blocks once, whatever the TP and block sizes.
+    blocks = sum(-(-len(p) // producer_block) for p in prompts)
+    assert moved["bytes"] == blocks * producer_block * KV_BYTES_PER_TOKEN
 
 
 async def test_tp1_to_tp2(pd, wide):
@@ -121,6 +137,26 @@ async def test_tp2_to_tp1_under_the_fail_policy(pd, wide):
 async def test_tp2_to_tp2(pd, wide):
     prompts = _prompts(3)
     _check(*await _handover(pd, wide, wide, prompts, 2), prompts, 2)
+
+
+async def test_blocks_of_128_to_64(pd, narrow):
+    prompts = _prompts(6)
+    _check(*await _handover(pd, pd.prefill, narrow, prompts, 1), prompts, 1)
+
+
+async def test_blocks_of_64_to_128_under_the_fail_policy(pd, narrow):
+    prompts = _prompts(7)
+    _check(*await _handover(pd, narrow, pd.both, prompts, 1), prompts, 1, NARROW_BLOCK)
+
+
+async def test_tp2_with_blocks_of_128_to_tp1_with_64(pd, wide, narrow):
+    prompts = _prompts(8)
+    _check(*await _handover(pd, wide, narrow, prompts, 1), prompts, 1)
+
+
+async def test_tp1_with_blocks_of_64_to_tp2_with_128(pd, wide, narrow):
+    prompts = _prompts(9)
+    _check(*await _handover(pd, narrow, wide, prompts, 2), prompts, 2, NARROW_BLOCK)
 
 
 async def test_a_partial_prefix_hit_on_the_consumer_reads_only_the_rest(pd, wide):

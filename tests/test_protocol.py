@@ -136,7 +136,13 @@ def test_matching_handoff_validates():
             "2 remote blocks for 40 tokens of block size 16, expected 3",
         ),
         (_handoff(remote_block_ids=[4, 5, 9, 10]), {}, "4 remote blocks for 40 tokens"),
-        (_handoff(block_size=32), {}, "block size 32 at the producer, 16 here: serve both"),
+        (_handoff(block_size=32), {}, "block size 32 at the producer, 16 here, and this consumer"),
+        (_handoff(block_size=0), {}, "producer block size 0 must be at least 1"),
+        (
+            _handoff(block_size=32, kv_format="cpu-amx"),
+            {"reblock_format": "cpu-vec"},
+            "KV format 'cpu-amx' at the producer, this consumer re-blocks 'cpu-vec' only",
+        ),
         (
             _handoff(side_channel_ports=[20001, 20003, 20005], producer_tp_size=3),
             {},
@@ -158,6 +164,13 @@ def test_any_tp_size_validates(producer_tp):
     h = _handoff(side_channel_ports=ports, producer_tp_size=producer_tp)
     for tp in (1, 2, 4, 8):
         _validate(h, tp_size=tp)
+
+
+def test_another_block_size_validates_where_both_keep_the_reblockable_format():
+    h = _handoff(block_size=32, remote_block_ids=[1, 2], kv_format="cpu-vec")
+    _validate(h, reblock_format="cpu-vec")
+    h = _handoff(block_size=8, remote_block_ids=[1, 2, 3, 4, 5], kv_format="cpu-vec")
+    _validate(h, reblock_format="cpu-vec")
 
 
 def test_compat_mismatch_names_both_layouts_when_known():

@@ -405,9 +405,9 @@ UNIT = 8  # bytes of one (head, token)
 
 
 def _cpu_segment(base: int, heads: int, block_size: int) -> protocol.MemSegment:
-    """One layer in vLLM's CPU layout, [blocks, heads, block_size, unit]."""
-    block = heads * block_size * UNIT
-    return protocol.MemSegment(base, block, block, heads, block_size, block_size * UNIT, UNIT, UNIT)
+    """One layer in vLLM's CPU layout, [blocks, heads, block_size, unit], in head slabs."""
+    slab = block_size * UNIT
+    return protocol.MemSegment(base, heads * slab, heads * slab, heads, block_size, slab, 0, slab)
 
 
 class PerRankSideChannel(FakeSideChannel):
@@ -458,8 +458,8 @@ def test_a_tp1_consumer_reads_half_the_heads_from_each_rank_of_a_tp2_producer(en
     # Producer rank r: heads 2r, 2r+1, 16-token blocks at 100_000 * (r + 1).
     segments = {16000 + 2 * r: _cpu_segment(100_000 * (r + 1), 2, 16) for r in range(2)}
     channel = PerRankSideChannel(segments)
-    worker = _layout_worker(engine, channel, tp_size=1, rank=0, block_size=32)
-    worker.start_load_kv(_layout_load(2, 16, 40, local=[5, 6]))  # 40 tokens: 3 blocks, 2 here
+    worker = _layout_worker(engine, channel, tp_size=1, rank=0, block_size=16)
+    worker.start_load_kv(_layout_load(2, 16, 40, local=[5, 6, 7]))  # 40 tokens: 3 blocks
     recving, failed, _ = collect_until(worker, lambda r, f, s: s)
     stats = worker.get_stats()
     worker.shutdown()
@@ -470,20 +470,20 @@ def test_a_tp1_consumer_reads_half_the_heads_from_each_rank_of_a_tp2_producer(en
     assert channel.addresses == ["127.0.0.1:16000", "127.0.0.1:16002"] * 2
     assert [a.readers for a in acquires] == [1, 1]  # nobody else reads either rank
     assert sorted(r.owner for r in releases) == sorted(a.owner for a in acquires)
-    # Every head once, every prompt token once: 4 heads x 40 tokens x 8 bytes.
-    assert stats.data["bytes"] == 4 * 40 * UNIT
+    # Every head of every block once: 3 blocks x 4 heads x 16 tokens x 8 bytes.
+    assert stats.data["bytes"] == 3 * 4 * 16 * UNIT
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_both_ranks_of_a_tp2_consumer_share_the_lease_of_a_tp1_producer(engine, rank):
     engine.done.set()
-    channel = PerRankSideChannel({16000: _cpu_segment(100_000, 4, 32)})
+    channel = PerRankSideChannel({16000: _cpu_segment(100_000, 4, 16)})
     worker = _layout_worker(engine, channel, tp_size=2, rank=rank, block_size=16)
-    worker.start_load_kv(_layout_load(1, 32, 40, local=[5, 6, 7]))
+    worker.start_load_kv(_layout_load(1, 16, 40, local=[5, 6, 7]))
     recving, failed, _ = collect_until(worker, lambda r, f, s: s)
     stats = worker.get_stats()
     worker.shutdown()
     assert (recving, failed) == ({"req-1"}, set())
     (acquire,) = [f for f in channel.frames if isinstance(f, protocol.Acquire)]
     assert acquire.readers == 2  # the producer's lease ends with the second rank's release
-    assert stats.data["bytes"] == 2 * 40 * UNIT  # this rank's two heads only
+    assert stats.data["bytes"] == 3 * 2 * 16 * UNIT  # this rank's two heads only

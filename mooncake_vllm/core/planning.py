@@ -26,6 +26,10 @@ from typing import NamedTuple
 
 import msgspec
 
+# The KV format (``vllm_glue.kv_format``) of vLLM's CPU attention with its vec kernels: the one
+# whose blocks ``core.reblock`` re-blocks between block sizes.
+REBLOCKABLE = "cpu-vec"
+
 
 class Region(NamedTuple):
     src_addr: int
@@ -318,7 +322,7 @@ def plan_pull(
                 src_block = s.base_addr + remote_block_ids[first + i] * s.block_stride
                 dst_block = d.base_addr + lb * d.block_stride
                 for h in heads:
-                    _append(
+                    append_region(
                         regions,
                         src_block + (h - src_heads.start) * s.head_stride,
                         dst_block + (h - dst_heads.start) * d.head_stride,
@@ -338,15 +342,17 @@ def plan_pull(
                 sa = src_block + (h - src_heads.start) * s.head_stride + so * s.token_stride
                 da = dst_block + (h - dst_heads.start) * d.head_stride + do * d.token_stride
                 if runs:
-                    _append(regions, sa, da, n * unit)
+                    append_region(regions, sa, da, n * unit)
                 else:
                     for k in range(n):
-                        _append(regions, sa + k * s.token_stride, da + k * d.token_stride, unit)
+                        append_region(
+                            regions, sa + k * s.token_stride, da + k * d.token_stride, unit
+                        )
             t += n
     return regions
 
 
-def _append(regions: list[Region], src_addr: int, dst_addr: int, length: int) -> None:
+def append_region(regions: list[Region], src_addr: int, dst_addr: int, length: int) -> None:
     if regions:
         last = regions[-1]
         if last.src_addr + last.length == src_addr and last.dst_addr + last.length == dst_addr:

@@ -56,6 +56,9 @@ class MooncakeSettings(SharedSettings):
     load_timeout_s: float = Field(30.0, gt=0)
     # Transfer-engine entries one pull keeps in flight (each its own TCP connection).
     max_batch_entries: int = Field(512, gt=0, le=2000)
+    # Consumer: staging memory per TP rank for pulls from a producer of another block size
+    # (core.reblock), allocated and registered at startup; 0 refuses other block sizes.
+    reblock_buffer_bytes: int = Field(64 << 20, ge=0)
     # With a metadata store: the OpenAI base URL published for ``proxy_server.py --discover``.
     # Default: the vLLM API server's --host/--port (see ``serving_url``).
     advertise_url: str | None = None

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from mooncake_vllm import vllm_glue
 from mooncake_vllm.core.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.core.facade import HalvesConnector
 from mooncake_vllm.core.identity import (
@@ -75,6 +76,7 @@ class MooncakeConnector(HalvesConnector):
         compat = engine_compat_hash(vllm_config, model_identity, any_layout=True)
         replicated = kv_is_replicated(vllm_config)
         kv_heads = engine_kv_heads(vllm_config)
+        kv_format = vllm_glue.kv_format(vllm_config)
         if self.role == KVConnectorRole.SCHEDULER:
             warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
             self._scheduler = SchedulerHalf(
@@ -84,6 +86,7 @@ class MooncakeConnector(HalvesConnector):
                 kv_layout=engine_kv_layout(vllm_config, model_identity),
                 kv_replicated=replicated,
                 kv_heads=kv_heads,
+                kv_format=kv_format,
                 probe=probe,
             )
         else:
@@ -101,6 +104,7 @@ class MooncakeConnector(HalvesConnector):
                 kv_replicated=replicated,
                 kv_heads=kv_heads,
                 block_size=vllm_config.cache_config.block_size,
+                kv_format=kv_format,
             )
 
     # ---- worker side ---------------------------------------------------------------------

@@ -38,6 +38,9 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     compat_hash: str
     # The producer's KV layout in words (``kv_layout``), for the error when the hashes differ.
     kv_layout: str = ""
+    # How a block keeps its tokens (``vllm_glue.kv_format``): a consumer of another block size
+    # re-blocks only a format it knows (``core.reblock``).
+    kv_format: str = ""
     # Which start of the producer holds the lease: a producer restarted on the same address
     # refuses the handoffs of its previous life by this, not only by their unknown ids.
     producer_incarnation: str = ""
@@ -82,12 +85,14 @@ def validate_handoff(
     tp_size: int,
     block_size: int,
     kv_layout: str = "",
+    reblock_format: str = "",
 ) -> None:
     """Check a handoff against the request and this consumer; raises HandoffError.
 
     TP sizes may differ (``planning.plan_pull`` reads each head from a rank that holds it); the
-    model, dtypes, head size and KV heads (``kv_heads``, all ranks) must not (the compat hash),
-    nor the block size (the backend's block interior is not token-addressable)."""
+    model, dtypes, head size and KV heads (``kv_heads``, all ranks) must not (the compat hash).
+    Block sizes may differ where both sides keep blocks in ``reblock_format`` (``core.reblock``;
+    empty: this consumer does not re-block)."""
     if h.compat_hash != compat_hash:
         layouts = (
             f"; producer: {h.kv_layout}, this consumer: {kv_layout}"
@@ -101,11 +106,19 @@ def validate_handoff(
         )
     if h.prompt_len != prompt_len:
         raise HandoffError(f"prompt length {prompt_len} differs from the producer's {h.prompt_len}")
-    if h.block_size != block_size:
+    if h.block_size < 1:
+        raise HandoffError(f"producer block size {h.block_size} must be at least 1")
+    if h.block_size != block_size and not (reblock_format and h.kv_format == reblock_format):
+        why = (
+            f"KV format {h.kv_format or 'unknown'!r} at the producer, this consumer re-blocks "
+            f"{reblock_format!r} only"
+            if reblock_format
+            else "this consumer does not re-block (reblock_buffer_bytes is 0, or its own KV "
+            "format is not one it can rearrange)"
+        )
         raise HandoffError(
-            f"block size {h.block_size} at the producer, {block_size} here: serve both with the "
-            "same --block-size (a block's tokens are not byte ranges in vLLM's CPU attention, so "
-            "blocks are copied whole)"
+            f"block size {h.block_size} at the producer, {block_size} here, and {why}: serve "
+            "both with the same --block-size"
         )
     need = -(-prompt_len // h.block_size)
     if len(h.remote_block_ids) != need:

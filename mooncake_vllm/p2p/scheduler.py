@@ -33,6 +33,7 @@ from vllm.v1.request import RequestStatus
 
 from mooncake_vllm.core.auth import host_allowed, short_id
 from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
+from mooncake_vllm.core.planning import REBLOCKABLE
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
 from mooncake_vllm.p2p.local_channels import WakeForwarder, wake_endpoint
@@ -66,12 +67,17 @@ class SchedulerHalf:
         kv_layout: str = "",
         kv_replicated: bool = False,
         kv_heads: int = 1,
+        kv_format: str = "",
         probe: Probe | None = None,
     ):
         """``kv_heads``: the model's KV heads, all ranks (1 for an MLA latent). ``probe``: what
         ``vllm_glue.check_vllm`` found (None: look for the engine core)."""
         self._cfg = cfg
         self._kv_heads = kv_heads
+        self._kv_format = kv_format
+        # Handoffs of another block size are re-blocked where both sides keep this format.
+        reblocks = kv_format == REBLOCKABLE and cfg.settings.reblock_buffer_bytes > 0
+        self._reblock_format = kv_format if reblocks else ""
         self._block_size = block_size
         self._compat_hash = compat_hash
         self._kv_layout = kv_layout
@@ -224,6 +230,7 @@ class SchedulerHalf:
                 tp_size=self._cfg.tp_size,
                 block_size=self._block_size,
                 kv_layout=self._kv_layout,
+                reblock_format=self._reblock_format,
             )
         except HandoffError as e:
             return handoff, str(e)  # still release the producer's lease
@@ -268,6 +275,7 @@ class SchedulerHalf:
             block_size=self._block_size,
             compat_hash=self._compat_hash,
             kv_layout=self._kv_layout,
+            kv_format=self._kv_format,
             producer_incarnation=self._leases.incarnation,
         )
         return True, handoff.to_params()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from mooncake_vllm.core.auth import AuthError, host_allowed, open_record, seal_r
 from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWorkerMeta
 from mooncake_vllm.core.os_threads import make_latency_critical, name_this_thread
 from mooncake_vllm.core.planning import (
+    REBLOCKABLE,
     head_sources,
     kv_cache_regions,
     lease_readers,
@@ -49,6 +51,7 @@ from mooncake_vllm.core.planning import (
     producer_rank_for,
     rank_heads,
 )
+from mooncake_vllm.core.reblock import scatter_tokens, staging_bytes_per_block, staging_regions
 from mooncake_vllm.core.registry import (
     EngineRecord,
     ServingRecord,
@@ -135,9 +138,11 @@ class WorkerHalf:
         kv_replicated: bool = False,
         kv_heads: int = 1,
         block_size: int | None = None,
+        kv_format: str = "",
     ):
         """``kv_heads``: the model's KV heads, all ranks (1 for an MLA latent); ``block_size``:
-        this engine's (None: whole-block copies from a producer of the same layout only)."""
+        this engine's (None: whole-block copies from a producer of the same layout only);
+        ``kv_format``: how its blocks keep their tokens (``vllm_glue.kv_format``)."""
         self._cfg = cfg
         self._tp_rank = tp_rank
         # MLA: the latent is the same on every TP rank (see planning.producer_rank_for).
@@ -145,6 +150,11 @@ class WorkerHalf:
         self._kv_heads = kv_heads
         self._heads = rank_heads(kv_heads, cfg.tp_size, tp_rank)
         self._block_size = block_size
+        self._kv_format = kv_format
+        # Re-blocking (core.reblock): the KV tensors in segment order, and one staging buffer.
+        self._layers: list[torch.Tensor] = []
+        self._staging: torch.Tensor | None = None
+        self._staging_lock = threading.Lock()
         self._num_blocks = num_blocks
         self._engine: TransferAgent | None = None
         self._segments: list[MemSegment] = []
@@ -219,6 +229,15 @@ class WorkerHalf:
             raise
         for addr, (nbytes, location) in sorted(storages.items()):
             self._engine.register(addr, nbytes, location)
+        self._layers = [kv_caches[name] for name in sorted(kv_caches)]
+        if (
+            cfg.is_consumer
+            and self._kv_format == REBLOCKABLE
+            and s.reblock_buffer_bytes
+            and len(self._layers) == len(segments)
+        ):
+            self._staging = torch.empty(s.reblock_buffer_bytes, dtype=torch.uint8)
+            self._engine.register(self._staging.data_ptr(), s.reblock_buffer_bytes, "*")
         if self._bridge is not None:
             record = EngineRecord(
                 engine_id=cfg.engine_id,
@@ -417,6 +436,9 @@ class WorkerHalf:
                 f"granted by incarnation {reply.incarnation!r} of the producer, the handoff "
                 f"is from {h.producer_incarnation!r}"
             )
+        if self._block_size is not None and h.block_size != self._block_size:
+            self._read_reblocked(load, h, rank, heads, reply, job, out)
+            return
         regions = plan_pull(
             reply.segments,
             self._segments,
@@ -453,6 +475,83 @@ class WorkerHalf:
         out.read_s += read.duration_s
         out.retries += read.retries
         out.stalls += read.stalls
+
+    def _read_reblocked(
+        self,
+        load: LoadSpec,
+        h: Handoff,
+        rank: int,
+        heads: list[int],
+        reply: Granted,
+        job: LoadJob[PullOutcome],
+        out: _Totals,
+    ) -> None:
+        """``_read`` from a producer of another block size: the needed heads' slabs of as many
+        remote blocks as the staging buffer holds at a time, each chunk then rearranged into this
+        rank's blocks (``core.reblock``)."""
+        assert self._engine is not None and self._block_size is not None
+        if self._staging is None:
+            raise PullFailed(
+                f"block size {h.block_size} at the producer, {self._block_size} here, and no "
+                "staging buffer to re-block (reblock_buffer_bytes)"
+            )
+        per_block = staging_bytes_per_block(reply.segments, len(heads))
+        chunk = self._staging.numel() // per_block
+        if chunk < 1:
+            raise PullFailed(
+                f"reblock_buffer_bytes {self._staging.numel()} is below one remote block's "
+                f"{per_block} B; raise it"
+            )
+        s = self._cfg.settings
+        src_heads = rank_heads(self._kv_heads, h.producer_tp_size, rank)
+        first_remote = load.first_token // h.block_size
+        end_remote = -(-h.prompt_len // h.block_size)
+        self._engine.warm_up(
+            reply.te_segment,
+            reply.segments[0].base_addr,
+            deadline=job.deadline_s,
+            stall_s=s.stall_timeout_s,
+            incarnation=reply.incarnation,
+        )
+        with self._staging_lock:
+            for c0 in range(first_remote, end_remote, chunk):
+                c1 = min(end_remote, c0 + chunk)
+                regions = staging_regions(
+                    reply.segments,
+                    self._staging.data_ptr(),
+                    heads=heads,
+                    src_heads=src_heads,
+                    remote_block_ids=load.remote_block_ids[c0:c1],
+                )
+                read = self._engine.read(
+                    reply.te_segment,
+                    regions,
+                    deadline=job.deadline_s,
+                    stall_s=s.stall_timeout_s,
+                    max_in_flight=s.max_batch_entries,
+                )
+                if not job.start_writing():  # abandoned at its deadline: touch no block
+                    raise PullFailed("abandoned at its deadline while staging")
+                scatter_tokens(
+                    self._staging,
+                    self._layers,
+                    head_size=reply.segments[0].unit_len
+                    // (2 * h.block_size * self._layers[0].element_size()),
+                    first_head=heads[0] - self._heads.start,
+                    heads=len(heads),
+                    src_block_size=h.block_size,
+                    dst_block_size=self._block_size,
+                    staged_from_token=c0 * h.block_size,
+                    staged_blocks=c1 - c0,
+                    first_token=load.first_token,
+                    end_token=h.prompt_len,
+                    local_block_ids=load.local_block_ids,
+                )
+                out.nbytes += read.bytes
+                out.entries += read.entries
+                out.read_s += read.duration_s
+                out.retries += read.retries
+                out.stalls += read.stalls
 
     def _sources(self, h: Handoff) -> dict[int, list[int]]:
         """The producer ranks whose lease this rank acquires, each with the heads it reads

@@ -10,8 +10,8 @@ finished-sending, which frees the blocks (``MooncakeConnectorMetadata``).
 One side channel per TP rank. Per-head K/V is sharded by rank: one ``LeaseTable`` per rank,
 acquired and released by the consumer ranks that read heads from it (``planning.lease_readers``:
 any consumer TP size; the first acquire says how many), and a request's blocks are freed once
-every rank's lease has ended. An MLA latent is replicated (every rank holds all of it): one table for all
-ranks, each consumer rank pulls the latent once from one producer rank
+every rank's lease has ended. An MLA latent is replicated (every rank holds all of it): one table
+for all ranks, each consumer rank pulls the latent once from one producer rank
 (``planning.producer_rank_for``), and the request's blocks — on every producer rank — are freed
 when all consumer ranks have released it.
 
