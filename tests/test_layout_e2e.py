@@ -26,17 +26,7 @@ import random
 import pytest
 from conftest import LOAD_TIMEOUT_S, NARROW_HOST, WIDE_HOST
 
-from harness.pd import (
-    PULL_COUNTERS,
-    ServerSpec,
-    client_session,
-    complete,
-    kv_args,
-    pulls_since,
-    start_many,
-    tokens_by_transfer,
-    two_legs,
-)
+from harness import pd as harness
 from harness.tiny_model import TinyModelSpec
 
 pytestmark = pytest.mark.servers
@@ -57,7 +47,7 @@ def _engine_args(host: str, port: int, *extra: str) -> list[str]:
         "trusted_producers": trusted,
     }
     # Handoffs to itself would otherwise come from its own prefix cache.
-    return [*extra, "--no-enable-prefix-caching", *kv_args("kv_both", extra_config)]
+    return [*extra, "--no-enable-prefix-caching", *harness.kv_args("kv_both", extra_config)]
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +58,12 @@ def engines(cluster):
     tp2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
     narrow = ["--block-size", str(NARROW_BLOCK), "--distributed-executor-backend", "uni"]
     specs = [
-        ServerSpec("wide-tp2", WIDE_HOST, _engine_args(WIDE_HOST, 13040, *tp2), env),
-        ServerSpec("narrow-b64", NARROW_HOST, _engine_args(NARROW_HOST, 13050, *narrow), env),
+        harness.ServerSpec("wide-tp2", WIDE_HOST, _engine_args(WIDE_HOST, 13040, *tp2), env),
+        harness.ServerSpec(
+            "narrow-b64", NARROW_HOST, _engine_args(NARROW_HOST, 13050, *narrow), env
+        ),
     ]
-    started = start_many(cluster.model, specs)
+    started = harness.start_many(cluster.model, specs)
     yield started
     for server in started:
         server.stop()
@@ -100,15 +92,15 @@ async def _handover(pd, producer, consumer, prompts, tp: int) -> tuple[dict[str,
     """Each prompt through ``producer`` → ``consumer`` (of ``tp`` ranks), token-exact against
     plain; returns the consumer's pull counters and the prompt tokens it counted as transferred,
     as deltas. Every consumer rank counts its own pull."""
-    before, by_transfer = PULL_COUNTERS.read(consumer), tokens_by_transfer(consumer)
-    async with client_session() as http:
+    before, by_transfer = harness.PULL_COUNTERS.read(consumer), harness.tokens_by_transfer(consumer)
+    async with harness.client_session() as http:
         for prompt in prompts:
             body = _body(pd.model, prompt)
-            plain = await complete(http, pd.plain, body)
-            _, tail = await two_legs(http, producer, consumer, body)
+            plain = await harness.complete(http, pd.plain, body)
+            _, tail = await harness.two_legs(http, producer, consumer, body)
             assert tail.token_ids == plain.token_ids, f"{len(prompt)}-token prompt differs"
-    moved = await pulls_since(consumer, before, len(prompts) * tp)
-    return moved, tokens_by_transfer(consumer) - by_transfer
+    moved = await harness.pulls_since(consumer, before, len(prompts) * tp)
+    return moved, harness.tokens_by_transfer(consumer) - by_transfer
 
 
 def _check(
@@ -165,13 +157,13 @@ async def test_a_partial_prefix_hit_on_the_consumer_reads_only_the_rest(pd, wide
     (first,) = _prompts(4, [250])
     second = first[:200] + _prompts(5, [100])[0]
     await _handover(pd, wide, pd.both, [first], 1)
-    before, by_transfer = PULL_COUNTERS.read(pd.both), tokens_by_transfer(pd.both)
-    async with client_session() as http:
+    before, by_transfer = harness.PULL_COUNTERS.read(pd.both), harness.tokens_by_transfer(pd.both)
+    async with harness.client_session() as http:
         body = _body(pd.model, second)
-        plain = await complete(http, pd.plain, body)
-        _, tail = await two_legs(http, wide, pd.both, body)
+        plain = await harness.complete(http, pd.plain, body)
+        _, tail = await harness.two_legs(http, wide, pd.both, body)
     assert tail.token_ids == plain.token_ids
-    moved = await pulls_since(pd.both, before, 1)
+    moved = await harness.pulls_since(pd.both, before, 1)
     assert (moved["pulls"], moved["pull_failures"]) == (1, 0)
-    assert tokens_by_transfer(pd.both) - by_transfer == len(second) - BLOCK
+    assert harness.tokens_by_transfer(pd.both) - by_transfer == len(second) - BLOCK
     assert moved["bytes"] == 2 * KV_BYTES_PER_BLOCK

@@ -122,6 +122,24 @@ class _Totals:
     retries: int = 0
     stalls: int = 0
 
+    def add(self, read) -> None:
+        """Adds one ``TransferAgent.read``."""
+        self.nbytes += read.bytes
+        self.entries += read.entries
+        self.read_s += read.duration_s
+        self.retries += read.retries
+        self.stalls += read.stalls
+
+
+@dataclass(frozen=True)
+class _Pull:
+    """One pull in progress: its load, handoff and job, and its figures so far."""
+
+    load: LoadSpec
+    handoff: Handoff
+    job: LoadJob[PullOutcome]
+    out: _Totals
+
 
 def _memory_location(t: torch.Tensor) -> str:
     # GPU hosts: tell the engine which device owns the memory. CPU: let it detect.
@@ -378,6 +396,7 @@ class WorkerHalf:
                 raise PullFailed(load.error)
             assert h is not None and self._engine is not None
             out = _Totals()
+            pull = _Pull(load, h, job, out)
             for rank, heads in self._sources(h).items():
                 address = self._producer_address(h, rank)
                 # Only the holder of this token can release the lease this acquire pins.
@@ -391,7 +410,7 @@ class WorkerHalf:
                 acquired[address] = owner
                 out.acquire_s += time.monotonic() - asked_at
                 if heads:
-                    self._read(load, h, rank, heads, reply, job, out)
+                    self._read(pull, rank, heads, reply)
             succeeded = True
             logger.debug(
                 "request %s: pulled %d blocks (%d B, %d entries) from %d producer rank(s): "
@@ -417,18 +436,10 @@ class WorkerHalf:
             for address, owner in acquired.items():
                 self._releases.submit(self._release, address, h.transfer_id, owner, succeeded)
 
-    def _read(
-        self,
-        load: LoadSpec,
-        h: Handoff,
-        rank: int,
-        heads: list[int],
-        reply: Granted,
-        job: LoadJob[PullOutcome],
-        out: _Totals,
-    ) -> None:
+    def _read(self, pull: _Pull, rank: int, heads: list[int], reply: Granted) -> None:
         """Reads ``heads`` of the prompt from producer rank ``rank`` (granted ``reply``) into
-        this rank's blocks, adding to ``out``; raises on failure."""
+        this rank's blocks, adding to ``pull.out``; raises on failure."""
+        load, h, job = pull.load, pull.handoff, pull.job
         assert self._engine is not None
         self._check_trusted(reply.te_segment.rpartition(":")[0], "transfer-engine segment")
         if reply.incarnation != h.producer_incarnation:
@@ -437,7 +448,7 @@ class WorkerHalf:
                 f"is from {h.producer_incarnation!r}"
             )
         if self._block_size is not None and h.block_size != self._block_size:
-            self._read_reblocked(load, h, rank, heads, reply, job, out)
+            self._read_reblocked(pull, rank, heads, reply)
             return
         regions = plan_pull(
             reply.segments,
@@ -452,43 +463,43 @@ class WorkerHalf:
             first_token=load.first_token,
             end_token=h.prompt_len,
         )
-        # The first contact with a producer does the engine's handshake, which can block:
-        # into a scratch buffer, so an abandoned pull never writes into the blocks.
-        s = self._cfg.settings
+        self._warm_up(reply, job)
+        self._read_regions(pull, reply, regions, job.start_writing)
+
+    def _warm_up(self, reply: Granted, job: LoadJob[PullOutcome]) -> None:
+        """The first contact with a producer does the engine's handshake, which can block: into
+        a scratch buffer, so an abandoned pull never writes into the blocks."""
+        assert self._engine is not None
         self._engine.warm_up(
             reply.te_segment,
             reply.segments[0].base_addr,
             deadline=job.deadline_s,
-            stall_s=s.stall_timeout_s,
+            stall_s=self._cfg.settings.stall_timeout_s,
             incarnation=reply.incarnation,
         )
+
+    def _read_regions(
+        self, pull: _Pull, reply: Granted, regions: list, should_start=lambda: True
+    ) -> None:
+        """One engine read of ``regions`` from the granted segment, added to ``pull.out``;
+        ``should_start`` is asked before the first write (``TransferAgent.read``)."""
+        assert self._engine is not None
+        s = self._cfg.settings
         read = self._engine.read(
             reply.te_segment,
             regions,
-            deadline=job.deadline_s,
+            deadline=pull.job.deadline_s,
             stall_s=s.stall_timeout_s,
             max_in_flight=s.max_batch_entries,
-            should_start=job.start_writing,
+            should_start=should_start,
         )
-        out.nbytes += read.bytes
-        out.entries += read.entries
-        out.read_s += read.duration_s
-        out.retries += read.retries
-        out.stalls += read.stalls
+        pull.out.add(read)
 
-    def _read_reblocked(
-        self,
-        load: LoadSpec,
-        h: Handoff,
-        rank: int,
-        heads: list[int],
-        reply: Granted,
-        job: LoadJob[PullOutcome],
-        out: _Totals,
-    ) -> None:
+    def _read_reblocked(self, pull: _Pull, rank: int, heads: list[int], reply: Granted) -> None:
         """``_read`` from a producer of another block size: the needed heads' slabs of as many
         remote blocks as the staging buffer holds at a time, each chunk then rearranged into this
         rank's blocks (``core.reblock``)."""
+        load, h, job = pull.load, pull.handoff, pull.job
         assert self._engine is not None and self._block_size is not None
         if self._staging is None:
             raise PullFailed(
@@ -502,17 +513,10 @@ class WorkerHalf:
                 f"reblock_buffer_bytes {self._staging.numel()} is below one remote block's "
                 f"{per_block} B; raise it"
             )
-        s = self._cfg.settings
         src_heads = rank_heads(self._kv_heads, h.producer_tp_size, rank)
         first_remote = load.first_token // h.block_size
         end_remote = -(-h.prompt_len // h.block_size)
-        self._engine.warm_up(
-            reply.te_segment,
-            reply.segments[0].base_addr,
-            deadline=job.deadline_s,
-            stall_s=s.stall_timeout_s,
-            incarnation=reply.incarnation,
-        )
+        self._warm_up(reply, job)
         with self._staging_lock:
             for c0 in range(first_remote, end_remote, chunk):
                 c1 = min(end_remote, c0 + chunk)
@@ -523,13 +527,7 @@ class WorkerHalf:
                     src_heads=src_heads,
                     remote_block_ids=load.remote_block_ids[c0:c1],
                 )
-                read = self._engine.read(
-                    reply.te_segment,
-                    regions,
-                    deadline=job.deadline_s,
-                    stall_s=s.stall_timeout_s,
-                    max_in_flight=s.max_batch_entries,
-                )
+                self._read_regions(pull, reply, regions)  # into staging: no block touched
                 if not job.start_writing():  # abandoned at its deadline: touch no block
                     raise PullFailed("abandoned at its deadline while staging")
                 scatter_tokens(
@@ -547,11 +545,6 @@ class WorkerHalf:
                     end_token=h.prompt_len,
                     local_block_ids=load.local_block_ids,
                 )
-                out.nbytes += read.bytes
-                out.entries += read.entries
-                out.read_s += read.duration_s
-                out.retries += read.retries
-                out.stalls += read.stalls
 
     def _sources(self, h: Handoff) -> dict[int, list[int]]:
         """The producer ranks whose lease this rank acquires, each with the heads it reads
