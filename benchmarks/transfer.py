@@ -481,15 +481,25 @@ def summarize(samples: list[dict]) -> list[dict]:
     return rows
 
 
+def minor_label(value: float, _pos: int) -> str:
+    """A log axis' minor tick label for 2, 3 and 5 times a power of ten (the rest stay blank)."""
+    mantissa = value / 10 ** math.floor(math.log10(value))
+    return f"{value:g}" if any(math.isclose(mantissa, m) for m in (2, 3, 5)) else ""
+
+
 def plot(rows: list[dict]):
     def draw(path: Path) -> None:
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FormatStrFormatter, FuncFormatter
 
         shapes = list(dict.fromkeys(r["shape"] for r in rows))
-        fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.6), squeeze=False)
+        fig, axes = plt.subplots(
+            1, len(shapes), figsize=(5.5 * len(shapes) + 2.5, 4.2), squeeze=False
+        )
         colors = {"same": "#1f77b4", "tp-split": "#9467bd", "block-resize": "#d62728",
                   "raw_te": "#2ca02c", "socket": "#ff7f0e", "memcpy": "#7f7f7f"}  # fmt: skip
-        kinds = list(dict.fromkeys(r["ids"] for r in rows))
+        # Scattered ids (the worst case) drawn solid, and the baselines with them.
+        kinds = sorted({r["ids"] for r in rows}, key=lambda k: k != "scattered")
         for ax, shape in zip(axes[0], shapes, strict=True):
             for kind in kinds:
                 style = "-" if kind == kinds[0] else "--"
@@ -506,7 +516,7 @@ def plot(rows: list[dict]):
                         style,
                         marker="o",
                         color=colors[layout],
-                        label=f"ours {layout} ({kind} blocks)",
+                        label=f"ours, {layout} ({kind} blocks)",
                     )
                     if layout != "same" or kind != kinds[0]:
                         continue  # the baselines do not depend on the layout or the block ids
@@ -517,15 +527,18 @@ def plot(rows: list[dict]):
                             ":",
                             marker=".",
                             color=colors[m],
-                            label=m,
+                            label=f"{m} (same's bytes)",
                         )
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(minor_label))
+            ax.tick_params(axis="y", which="minor", labelsize=7)
             ax.set_xlabel("prompt tokens")
-            ax.set_ylabel("GB/s (median)")
+            ax.set_ylabel("GB/s (median, log scale)")
             ax.set_title(f"KV shape '{shape}'")
             ax.grid(alpha=0.3, which="both")
-            ax.legend(fontsize=7)
+        axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
         common.save_figure(
             fig, path, "KV pull bandwidth by consumer layout: transfer engine over TCP loopback"
         )

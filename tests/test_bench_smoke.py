@@ -112,9 +112,17 @@ def test_transfer_benchmark_writes_table_json_and_plot(tmp_path, capsys):
         ["--out-dir", str(tmp_path), "--reps", "1", "--tokens", "128", "--shapes", "tiny"]
     )
     assert rc == 0
-    doc = _check_outputs(tmp_path, "transfer", capsys, {"tokens", "ours_GB/s", "ours/raw"})
+    doc = _check_outputs(
+        tmp_path, "transfer", capsys, {"tokens", "layout", "ours_GB/s", "vs_same", "ours/raw"}
+    )
     assert {s["method"] for s in doc.samples} == set(transfer.METHODS)
-    assert {r["layout"] for r in doc.rows} == {"scattered", "contiguous"}
+    assert {r["ids"] for r in doc.rows} == {"scattered", "contiguous"}
+    assert [(r["ids"], r["layout"]) for r in doc.rows] == [
+        (ids, layout) for ids in ("contiguous", "scattered") for layout in transfer.LAYOUTS
+    ]
+    same, split, resize = doc.rows[:3]
+    assert split["MB"] == same["MB"] / 2 and resize["MB"] == same["MB"]
+    assert resize["scatter"] > 0 and same["scatter"] is None and split["raw_te_GB/s"] is None
 
 
 @pytest.mark.servers
