@@ -77,24 +77,22 @@ def scatter_tokens(
     if lo >= hi:
         return
     per_layer = staged_blocks * heads * 2 * bp * head_size
+    local = slice(first_head, first_head + heads)
     for i, layer in enumerate(layers):
         staged = staging.view(layer.dtype)[i * per_layer : (i + 1) * per_layer]
         staged = staged.view(staged_blocks, heads, 2 * bp * head_size)
-        # Per head, tokens in order: K as [head_size, tokens], V as [tokens, head_size].
+        # Views only: each run of tokens is copied once, straight from its staged block.
         k = staged[:, :, : bp * head_size].view(staged_blocks, heads, head_size, bp)
-        k = k.permute(1, 2, 0, 3).reshape(heads, head_size, staged_blocks * bp)
         v = staged[:, :, bp * head_size :].view(staged_blocks, heads, bp, head_size)
-        v = v.permute(1, 0, 2, 3).reshape(heads, staged_blocks * bp, head_size)
         flat = layer.view(layer.shape[0], layer.shape[1], 2 * bc * head_size)
         k_dst = flat[:, :, : bc * head_size].view(layer.shape[0], layer.shape[1], head_size, bc)
         v_dst = flat[:, :, bc * head_size :].view(layer.shape[0], layer.shape[1], bc, head_size)
-        local = slice(first_head, first_head + heads)
         t = lo
         while t < hi:
-            j, slot = divmod(t - first_token, bc)
-            n = min(bc - slot, hi - t)
-            o = t - staged_from_token
+            r, src = divmod(t - staged_from_token, bp)
+            j, dst = divmod(t - first_token, bc)
+            n = min(bp - src, bc - dst, hi - t)
             lb = local_block_ids[j]
-            k_dst[lb, local, :, slot : slot + n] = k[:, :, o : o + n]
-            v_dst[lb, local, slot : slot + n, :] = v[:, o : o + n, :]
+            k_dst[lb, local, :, dst : dst + n] = k[r, :, :, src : src + n]
+            v_dst[lb, local, dst : dst + n, :] = v[r, :, src : src + n, :]
             t += n
