@@ -16,7 +16,8 @@ Each case is proven token for token against the shared plain vLLM, by vLLM's cou
 tokens loaded by transfer (every prompt token), by our pull-failure counter (0) and by the bytes
 pulled: the producer's blocks of the prompt × the model's KV bytes per block, each head read once.
 A prompt that shares a prefix with one served before reads only the blocks after the consumer's
-cached ones.
+cached ones. A handoff of another block size in a format the decode does not rearrange is refused
+before any byte moves.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import random
 
 import pytest
 from conftest import LOAD_TIMEOUT_S, NARROW_HOST, WIDE_HOST
+from test_connector_e2e import assert_failed_load
 
 from harness import pd as harness
 from harness.tiny_model import TinyModelSpec
@@ -167,3 +169,34 @@ async def test_a_partial_prefix_hit_on_the_consumer_reads_only_the_rest(pd, wide
     assert (moved["pulls"], moved["pull_failures"]) == (1, 0)
     assert harness.tokens_by_transfer(pd.both) - by_transfer == len(second) - BLOCK
     assert moved["bytes"] == 2 * KV_BYTES_PER_BLOCK
+
+
+@pytest.mark.provokes_pull_failure
+async def test_a_block_size_in_a_format_the_decode_cannot_rearrange_is_refused(pd, narrow):
+    """narrow's handoff (64-token blocks) with its KV format changed to one the decode does not
+    re-block: "both" (128-token blocks, policy ``fail``) refuses it before any byte moves, names
+    both block sizes and formats in its log, answers vLLM's load-failure error, and narrow's lease
+    is released at once (not left to its TTL)."""
+    (prompt,) = _prompts(10, [300])
+    body = _body(pd.model, prompt)
+    before = harness.PULL_COUNTERS.read(pd.both)
+    async with harness.client_session() as http:
+        head = await harness.complete(
+            http,
+            narrow,
+            {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        )
+        params = {**head.kv_transfer_params, "kv_format": "cpu-amx"}
+        async with http.post(
+            f"{pd.both.url}/v1/completions", json={**body, "kv_transfer_params": params}
+        ) as resp:
+            status, text = resp.status, await resp.text()
+    assert_failed_load(status, text)
+    moved = await harness.pulls_since(pd.both, before, 1)
+    assert (moved["pulls"], moved["pull_failures"], moved["bytes"]) == (0, 1, 0)
+    log = pd.both.process.log_path.read_text(errors="replace")
+    assert (
+        "block size 64 at the producer, 128 here, and KV format 'cpu-amx' at the producer, this "
+        "consumer re-blocks 'cpu-vec' only"
+    ) in log
+    await harness.eventually(lambda: narrow.metric("mooncake_vllm:held_leases") == 0, 5)
