@@ -239,8 +239,9 @@ class Counters:
 
     def read(self, server: VllmServer) -> dict[str, float]:
         """Each counter's value on ``server`` now (0 for one not counted yet)."""
-        totals = server.metrics()
-        return {n: totals.get(f"mooncake_vllm:{self.prefix}{n}_total", 0.0) for n in self.names}
+        names = {n: f"mooncake_vllm:{self.prefix}{n}_total" for n in self.names}
+        totals = server.metrics(names.values())
+        return {n: totals.get(name, 0.0) for n, name in names.items()}
 
     def since(self, server: VllmServer, before: Mapping[str, float]) -> dict[str, float]:
         """How far each counter on ``server`` has moved since ``before`` (a ``read`` of it)."""

@@ -49,7 +49,7 @@ class ProxyServer:
         ``labels``."""
         return sum(
             s.value
-            for s in metric_samples(f"{self.url}/metrics")
+            for s in metric_samples(f"{self.url}/metrics", (name,))
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
         )
 
