@@ -4,7 +4,9 @@ transfer; the engine registry; restarts of a peer, and of the store while reques
 the proxy.
 
 One pair of vLLM servers per store serves every check of that store (a vLLM start costs most of a
-minute of a core here); the vLLM that must stop at startup starts beside the first pair.
+minute of a core here). A restart of one engine leaves the second core idle, so the vLLM that must
+stop at startup starts beside the etcd test's restart of its producer, and the http test's pair
+beside the redis test's restart of its consumer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import random
 import signal
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -46,8 +49,9 @@ pytestmark = pytest.mark.servers
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 MAX_TOKENS = 8
-# The shared P2P pair uses the examples' ports on these hosts: this pair takes its own.
-PREFILL_PORT, DECODE_PORT = 13203, 13212
+# The shared P2P pair uses the examples' ports on these hosts: each store's pair takes its own
+# (the http pair starts while the redis pair runs).
+PORTS = {"etcd": (13203, 13212), "redis": (13223, 13232), "http": (13243, 13252)}
 METADATA_TTL_S = 6.0  # heartbeat every 2 s: a returning store is refilled quickly
 # The store stays down longer than the engines' metadata refresh (5 s with a store) and the
 # bridges' heartbeat (2 s): both meet the dead store while requests flow.
@@ -63,10 +67,11 @@ STORES = {
 
 
 class Pair:
-    def __init__(self, kind: str, model: str, tmp_path: Path, log_on_failure):
+    def __init__(self, kind: str, model: str, tmp_path: Path):
+        """The store and the pair's config; ``start`` starts the pair."""
         self.kind, self.model = kind, model
+        self.prefill_port, self.decode_port = PORTS[kind]
         self.store_server = STORES[kind]()
-        log_on_failure(self.store_server)
         # The user's example file, pointed at the store this test started.
         cfg = json.loads((CONFIGS / f"mooncake-tcp-{kind}.json").read_text())
         where = f"{self.store_server.host}:{self.store_server.port}"
@@ -75,8 +80,8 @@ class Pair:
             "redis": f"redis://{where}",
             "http": f"http://{where}/metadata",
         }[kind]
-        cfg["prefill_url"] = f"{PREFILL_HOST}:{PREFILL_PORT}"
-        cfg["decode_url"] = f"{DECODE_HOST}:{DECODE_PORT}"
+        cfg["prefill_url"] = f"{PREFILL_HOST}:{self.prefill_port}"
+        cfg["decode_url"] = f"{DECODE_HOST}:{self.decode_port}"
         cfg["metadata_ttl_s"] = METADATA_TTL_S
         self.config_path = tmp_path / f"mooncake-{kind}.json"
         self.config_path.write_text(json.dumps(cfg))
@@ -95,8 +100,17 @@ class Pair:
             ),
             "decode": ServerSpec(f"decode-{kind}", DECODE_HOST, consumer_args, env),
         }
-        self.prefill, self.decode = start_many(model, list(self.specs.values()))
-        for srv in (self.prefill, self.decode):
+
+    def start(self) -> Pair:
+        try:
+            self.prefill, self.decode = start_many(self.model, list(self.specs.values()))
+        except Exception:
+            self.store_server.stop()
+            raise
+        return self
+
+    def watch(self, log_on_failure) -> None:
+        for srv in (self.store_server, self.prefill, self.decode):
             log_on_failure(srv)
 
     def restart(self, which: str) -> float:
@@ -138,9 +152,9 @@ class Pair:
         engine's segment."""
         return [
             registry_key(self.prefill_id, 0),
-            f"mooncake/ram/{PREFILL_HOST}:{PREFILL_PORT}",
+            f"mooncake/ram/{PREFILL_HOST}:{self.prefill_port}",
             registry_key(self.decode_id, 0),
-            f"mooncake/ram/{DECODE_HOST}:{DECODE_PORT}",
+            f"mooncake/ram/{DECODE_HOST}:{self.decode_port}",
         ]
 
     async def store_get(self, key: str) -> bytes | None:
@@ -154,6 +168,45 @@ class Pair:
         with ThreadPoolExecutor(2) as pool:  # each vLLM takes seconds to shut down
             list(pool.map(lambda srv: srv.stop(), (self.decode, self.prefill)))
         self.store_server.stop()
+
+
+class Pairs:
+    """Each store's pair, started when its test takes it or, ahead of that, in the background
+    (``begin``) beside a restart of one engine, which leaves the second core idle."""
+
+    def __init__(self, model: str, tmp_path_factory, wanted: set[str]):
+        self.model, self._tmp, self.wanted = model, tmp_path_factory, wanted
+        self._pool = ThreadPoolExecutor(len(STORES))
+        self._pairs: dict[str, Future] = {}
+
+    def begin(self, kind: str) -> Future | None:
+        """Start ``kind``'s pair in the background, if its test is to run and it has not begun."""
+        if kind not in self._pairs and kind in self.wanted:
+            tmp = self._tmp.mktemp(kind)
+            self._pairs[kind] = self._pool.submit(lambda: Pair(kind, self.model, tmp).start())
+        return self._pairs.get(kind)
+
+    def take(self, kind: str, log_on_failure) -> Pair:
+        self.wanted.add(kind)
+        pair = self.begin(kind).result()
+        pair.watch(log_on_failure)
+        return pair
+
+    def close(self) -> None:
+        for started in self._pairs.values():
+            with contextlib.suppress(Exception):  # a failed start: its test reported it
+                started.result().stop()
+        self._pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pairs(request, tiny_model, tmp_path_factory):
+    here = Path(__file__).resolve()
+    tests = [i.name for i in request.session.items if Path(str(i.path)).resolve() == here]
+    wanted = {kind for kind in STORES if any(t.startswith(f"test_{kind}_") for t in tests)}
+    p = Pairs(tiny_model, tmp_path_factory, wanted)
+    yield p
+    p.close()
 
 
 def _prompt(seed: int, n: int = 300) -> list[int]:
@@ -202,7 +255,7 @@ async def _check_basics(pd, pair: Pair, http) -> None:
     assert ext - ext0 >= 2 * (300 - 1)
 
     # Each side advertises its own address, not the machine's first interface.
-    for host, port in ((PREFILL_HOST, PREFILL_PORT), (DECODE_HOST, DECODE_PORT)):
+    for host, port in ((PREFILL_HOST, pair.prefill_port), (DECODE_HOST, pair.decode_port)):
         rpc_meta = json.loads(await pair.store_get(f"mooncake/rpc_meta/{host}:{port}"))
         assert rpc_meta["ip_or_host_name"] == host
 
@@ -210,9 +263,9 @@ async def _check_basics(pd, pair: Pair, http) -> None:
     record = decode_record(await pair.store_get(registry_key(pair.prefill_id, 0)))
     assert (record.role, record.side_channel) == (
         "kv_producer",
-        f"{PREFILL_HOST}:{PREFILL_PORT + 1}",
+        f"{PREFILL_HOST}:{pair.prefill_port + 1}",
     )
-    assert record.te_segment == f"{PREFILL_HOST}:{PREFILL_PORT}"
+    assert record.te_segment == f"{PREFILL_HOST}:{pair.prefill_port}"
     assert decode_record(await pair.store_get(registry_key(pair.decode_id, 0))).side_channel == ""
     # ... so a handoff that names only the producer's engine id is enough.
     assert await _handover(pd, pair, http, seed=3, strip_address=True)
@@ -374,9 +427,9 @@ async def _store_restart_under_load(
 
 
 async def test_etcd_seed_form_restart_under_load_and_a_restarted_producer(
-    pd, http, tmp_path, log_on_failure
+    pd, http, pairs, log_on_failure, unreachable_store_start
 ):
-    pair = Pair("etcd", pd.model, tmp_path, log_on_failure)
+    pair = pairs.take("etcd", log_on_failure)
     try:
         await _check_basics(pd, pair, http)
         await _store_restart_under_load(
@@ -387,8 +440,11 @@ async def test_etcd_seed_form_restart_under_load_and_a_restarted_producer(
         ask = {**_body(pd.model, old_prompt), "max_tokens": 1}
         ask["kv_transfer_params"] = {"do_remote_decode": True}
         head = await complete(http, pair.prefill, ask)
-        # Crash the producer (its keys stay in etcd) and restart it on the same address.
+        # Crash the producer (its keys stay in etcd) and restart it on the same address; the
+        # vLLM of test_unreachable_store_stops_vllm_at_startup starts (and stops) beside it.
+        unreachable = unreachable_store_start.begin()
         start_s = pair.restart("prefill")
+        futures.wait([unreachable], timeout=300)  # its core is free for what follows
         usable_s = await _pulled_at_once(pd, pair, http, seed=10)
         print(f"producer restart: healthy in {start_s:.1f}s, first pull took {usable_s:.1f}s")
         # The old handoff is refused by the new incarnation at once; the decode's policy
@@ -405,69 +461,88 @@ async def test_etcd_seed_form_restart_under_load_and_a_restarted_producer(
         log = pair.decode.process.log_path.read_text(errors="replace")
         assert "the producer restarted" in log
     finally:
-        keys = [registry_key(pair.prefill_id, 0), f"mooncake/ram/{PREFILL_HOST}:{PREFILL_PORT}"]
+        keys = [
+            registry_key(pair.prefill_id, 0),
+            f"mooncake/ram/{PREFILL_HOST}:{pair.prefill_port}",
+        ]
         pair.prefill.stop()
         await _keys_gone(pair, keys)
         pair.stop()
 
 
-async def test_redis_restart_under_load_and_a_restarted_consumer(
-    pd, http, tmp_path, log_on_failure
-):
-    pair = Pair("redis", pd.model, tmp_path, log_on_failure)
+async def test_redis_restart_under_load_and_a_restarted_consumer(pd, http, pairs, log_on_failure):
+    pair = pairs.take("redis", log_on_failure)
     try:
         await _check_basics(pd, pair, http)
         # The store goes away under load and comes back empty: every request answers.
         await _store_restart_under_load(
             pd, pair, http, log_on_failure, keep_data=False, first_seed=2000
         )
-        # A consumer crashed and restarted under the same name pulls again.
+        # A consumer crashed and restarted under the same name pulls again. The http test's
+        # pair starts beside it.
+        beside = pairs.begin("http")
         pair.restart("decode")
+        futures.wait([beside] if beside else [], timeout=900)  # its cores are free for what follows
         usable_s = await _pulled_at_once(pd, pair, http, seed=30)
         print(f"consumer restart: the first pull took {usable_s:.1f}s")
     finally:
         pair.stop()
 
 
-async def test_http_metadata_server_and_its_restart(pd, http, tmp_path, log_on_failure):
-    pair = Pair("http", pd.model, tmp_path, log_on_failure)
+async def test_http_metadata_server_and_its_restart(pd, http, pairs, log_on_failure):
+    pair = pairs.take("http", log_on_failure)
     try:
         await _check_basics(pd, pair, http)
         await _store_restart_under_load(
             pd, pair, http, log_on_failure, keep_data=False, first_seed=3000
         )
     finally:
-        keys = [registry_key(pair.decode_id, 0), f"mooncake/ram/{DECODE_HOST}:{DECODE_PORT}"]
+        keys = [
+            registry_key(pair.decode_id, 0),
+            f"mooncake/ram/{DECODE_HOST}:{pair.decode_port}",
+        ]
         pair.decode.stop()
         await _keys_gone(pair, keys)
         pair.stop()
 
 
-@pytest.fixture(scope="module", autouse=True)
+class _UnreachableStart:
+    """The start of a vLLM whose store nobody serves, in the background: it runs on one core for
+    most of a minute before it stops. ``begin`` starts it once (the etcd test does, beside its
+    producer's restart; the test of it does, if it runs alone)."""
+
+    def __init__(self, model: str, config: Path, port: int, pool: ThreadPoolExecutor):
+        self.model, self.config, self.port, self._pool = model, config, port, pool
+        self.started: Future | None = None
+
+    def begin(self) -> Future:
+        if self.started is None:
+            self.started = self._pool.submit(
+                servers.start_vllm,
+                self.model,
+                name="unreachable-store",
+                args=kv_args("kv_consumer"),
+                env={"MOONCAKE_CONFIG_PATH": str(self.config)},
+                timeout_s=300,
+            )
+        return self.started
+
+
+@pytest.fixture(scope="module")
 def unreachable_store_start(tiny_model, tmp_path_factory):
-    """The start of a vLLM whose store nobody serves, begun as the module starts: it runs on one
-    core for most of a minute before it stops, beside the first pair's start."""
     port = servers.free_port()
     config = tmp_path_factory.mktemp("unreachable") / "mooncake.json"
     config.write_text(json.dumps({"metadata_server": f"redis://127.0.0.1:{port}"}))
     with ThreadPoolExecutor(1) as pool:
-        started = pool.submit(
-            servers.start_vllm,
-            tiny_model,
-            name="unreachable-store",
-            args=kv_args("kv_consumer"),
-            env={"MOONCAKE_CONFIG_PATH": str(config)},
-            timeout_s=300,
-        )
-        yield port, started
-        with contextlib.suppress(Exception):  # it started after all: its test failed on that
-            started.result().stop()
+        start = _UnreachableStart(tiny_model, config, port, pool)
+        yield start
+        if start.started is not None:
+            with contextlib.suppress(Exception):  # it started after all: its test failed on that
+                start.started.result().stop()
 
 
-def test_unreachable_store_stops_vllm_at_startup(
-    unreachable_store_start: tuple[int, Future],
-):
-    port, started = unreachable_store_start
+def test_unreachable_store_stops_vllm_at_startup(unreachable_store_start: _UnreachableStart):
+    port, started = unreachable_store_start.port, unreachable_store_start.begin()
     with pytest.raises(servers.ServerStartError) as exc:
         started.result(timeout=300).stop()
     message = str(exc.value)
