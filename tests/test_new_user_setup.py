@@ -46,6 +46,9 @@ HOST = "127.0.0.1"
 MODEL_SPEC = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=32,
                            intermediate=384, seed=4321)  # fmt: skip
 LOAD_TIMEOUT_S = 8.0
+# A lease nobody pulls (the idle test's) ends this long after its grant: past the idle test's
+# window (~6 s), not the default 30 s that the test would then wait out.
+LEASE_TTL_S = 15.0
 CONCURRENCY, MAX_TOKENS = 8, 8
 BLOCK = 128  # vLLM's CPU block size
 
@@ -86,6 +89,7 @@ def setup(tmp_path_factory):
             prefill_url=f"{HOST}:14100",
             decode_url=f"{HOST}:14200",
             load_timeout_s=LOAD_TIMEOUT_S,
+            lease_ttl_s=LEASE_TTL_S,
         ),
     ]
     with _serving(model, specs, "1host") as ((plain, prefill, decode), url):
