@@ -153,10 +153,14 @@ async def _two_hundred_requests(setup: NewUser) -> None:
     pulled = await pulls_since(d, before, len(lengths), 20)
     ext = tokens_by_transfer(d) - ext0
     print(f"decode: {pulled}; {ext:.0f} of {sum(lengths)} prompt tokens by transfer")
+    blocks = sum(-(-n // BLOCK) for n in lengths)
+    s = MODEL_SPEC  # float32 K and V per layer, KV head and token; whole blocks
+    kv_block_bytes = BLOCK * s.layers * s.kv_heads * 2 * s.head_dim * 4
     assert pulled == {
         "pulls": len(lengths),
         "pull_failures": 0,
-        "blocks": sum(-(-n // BLOCK) for n in lengths),
+        "blocks": blocks,
+        "bytes": blocks * kv_block_bytes,
         "retries": 0,
         "stalls": 0,
     }
