@@ -118,6 +118,24 @@ class ManagedProcess:
                     pids.append(int(stat.parent.name))
         return pids
 
+    def set_autogroup_nice(self, nice: int) -> None:
+        """The nice value of the process's session as a whole. With Linux's autogroup on (each
+        session one scheduling group, as here) this, not a thread's nice, sets its share of the
+        CPU against other sessions, such as the other servers."""
+        with contextlib.suppress(OSError):  # no autogroup
+            Path(f"/proc/{self.proc.pid}/autogroup").write_text(f"{nice}\n")
+
+    def renice(self, old: int, new: int) -> None:
+        """The session's autogroup, and every thread of the group still at nice ``old`` (as it
+        started), go to ``new``; a thread that set its own priority since keeps it."""
+        self.set_autogroup_nice(new)
+        for pid in self.group_pids():
+            for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    tid = int(task.name)
+                    if os.getpriority(os.PRIO_PROCESS, tid) == old:
+                        os.setpriority(os.PRIO_PROCESS, tid, new)
+
     def cpu_s(self) -> float:
         """CPU time (user + system) used so far by the live processes of the group."""
         ticks = os.sysconf("SC_CLK_TCK")
@@ -314,9 +332,13 @@ def start_vllm(
     timeout_s: float = 300.0,
     cwd: Path | None = None,
     cli: bool = False,
+    nice: int = 0,
 ) -> VllmServer:
     """Start ``python -m vllm.entrypoints.openai.api_server`` and wait for ``/health``; with
     ``cli``, vLLM's command as the guides write it: ``vllm serve MODEL ...``.
+
+    ``nice``: the server's session and threads start at this nice value (below 0 needs root);
+    ``ManagedProcess.renice`` takes it back, once it is healthy.
 
     ``cwd``: ``python -m`` puts it first on ``sys.path``, so a checkout there is the one whose
     ``mooncake_vllm`` the server imports (an A/B of code, ``benchmarks.serving --ours-b-src``).
@@ -326,6 +348,8 @@ def start_vllm(
         launch = [str(Path(sys.executable).with_name("vllm")), "serve", str(model)]
     else:
         launch = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    if nice:
+        launch = ["nice", "-n", str(nice), *launch]  # nice execs it: the pid stays vLLM's
     argv = [
         *launch,
         "--host", host,
@@ -338,6 +362,8 @@ def start_vllm(
     ]  # fmt: skip
     log = (log_dir or default_log_dir()) / f"{name}-{host}-{port}.log"
     proc = ManagedProcess(name, argv, log, vllm_env(kv_cache_gib, env), cwd).start()
+    if nice:
+        proc.set_autogroup_nice(nice)
     server = VllmServer(proc, host, port, str(model))
     proc.wait_until(lambda: _http_ok(f"{server.url}/health"), timeout_s, "healthy")
     return server
