@@ -26,6 +26,7 @@ from test_connector_e2e import assert_failed_load
 from harness.pd import complete, eventually, greedy_body, two_legs
 from harness.servers import histogram_quantile
 from mooncake_vllm.core.auth import REPLY, REQUEST, load_keys, open_frame, seal_frame
+from mooncake_vllm.p2p.leases.client import MAX_READERS
 from mooncake_vllm.p2p.protocol import (
     OWNER_BYTES,
     Acquire,
@@ -145,7 +146,9 @@ async def test_strangers_and_insiders_cannot_end_or_take_a_lease(pd, http):
         for bad in ([], blocks[:-1], [b + 1 for b in blocks], [*blocks, blocks[0]]):
             reply = insider.call(Acquire(tid, bad, owner(), incarnation=life))
             assert isinstance(reply, Refused) and "not the lease's" in reply.reason, reply
-        reply = insider.call(Acquire(tid, blocks, owner(), readers=50, incarnation=life))
+        # More readers than any TP size (MAX_READERS): refused, the lease untouched.
+        inflated = MAX_READERS + 1
+        reply = insider.call(Acquire(tid, blocks, owner(), readers=inflated, incarnation=life))
         assert isinstance(reply, Refused) and "readers" in reply.reason, reply
         reply = insider.call(Acquire(tid, blocks, owner()))  # no incarnation: another start's
         assert isinstance(reply, Refused) and "producer restarted" in reply.reason, reply
