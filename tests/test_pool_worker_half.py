@@ -179,3 +179,7 @@ def test_a_dead_master_fails_puts_at_once_and_loads_within_their_deadline(master
     assert stats["put_failures"] == 2
     assert time.monotonic() - start < 0.5  # not the store's seconds of reconnecting
     assert not load(reader, "r3", ["a0"], [13], timeout_s=15)
+    # The master back on its address for the workers' teardown: against a dead one, each
+    # worker's close waits 10 s for its unmount RPC.
+    again = start_mooncake_master(master.host, master.port, metadata_port=master.metadata_port)
+    master.process = again.process  # the fixture stops this one
