@@ -377,13 +377,13 @@ async def test_a_handoff_naming_an_untrusted_producer_is_refused_before_any_fram
     fail the request (vLLM's fail policy) and nothing is sent to that host."""
     rogue = zmq.Context.instance().socket(zmq.ROUTER)
     rogue.setsockopt(zmq.LINGER, 0)
-    rogue.bind("tcp://127.0.0.9:13004")
+    rogue.bind("tcp://127.0.0.13:13004")
     prompt = prompts(seed=2407, n=1, lo=300, hi=300)[0]
     params = {
         "do_remote_prefill": True,
         "transfer_id": secrets.token_hex(16),
         "producer_engine_id": "rogue",
-        "side_channel_host": "127.0.0.9",
+        "side_channel_host": "127.0.0.13",
         "side_channel_ports": [13004],
         "producer_tp_size": 1,
         "remote_block_ids": [1, 2, 3],
@@ -402,4 +402,4 @@ async def test_a_handoff_naming_an_untrusted_producer_is_refused_before_any_fram
         rogue.close()
     await eventually(lambda: pd.both.metric("mooncake_vllm:pull_failures_total") == failures0 + 1)
     log = pd.both.process.log_path.read_text(errors="replace")
-    assert "'127.0.0.9' is not in trusted_producers" in log
+    assert "'127.0.0.13' is not in trusted_producers" in log
