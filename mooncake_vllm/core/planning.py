@@ -110,8 +110,10 @@ def tensor_segments(
     Dimensions after the block dimension must be contiguous (one block = one byte range). With
     ``block_size`` (and ``heads``, this rank's KV heads), the token and head dimensions inside a
     block are found by size and the unit after them must be contiguous; a block without a head
-    dimension (an MLA latent) has one head. Where heads and tokens have the same size, heads come
-    first (vLLM's CPU layout).
+    dimension (an MLA latent) has one head. ``tokens_addressable`` false: the backend keeps a
+    head's tokens in a format of its own (vLLM's CPU attention stores K column-major), so heads
+    must be the outermost dimension and only whole head slabs are described; true: a block whose
+    heads and tokens have the same size is refused (its shape cannot tell them apart).
     """
     try:
         d = list(shape).index(num_blocks)
@@ -186,17 +188,10 @@ def plan_regions(
         if s.block_len != d.block_len:
             raise PlanError(f"block length {s.block_len} (remote) vs {d.block_len} (local)")
         for rb, lb in zip(src_block_ids, dst_block_ids, strict=True):
-            src_addr = s.base_addr + rb * s.block_stride
-            dst_addr = d.base_addr + lb * d.block_stride
-            if regions:
-                last = regions[-1]
-                if (
-                    last.src_addr + last.length == src_addr
-                    and last.dst_addr + last.length == dst_addr
-                ):
-                    regions[-1] = Region(last.src_addr, last.dst_addr, last.length + s.block_len)
-                    continue
-            regions.append(Region(src_addr, dst_addr, s.block_len))
+            append_region(
+                regions, s.base_addr + rb * s.block_stride, d.base_addr + lb * d.block_stride,
+                s.block_len,
+            )  # fmt: skip
     return regions
 
 
@@ -353,6 +348,7 @@ def plan_pull(
 
 
 def append_region(regions: list[Region], src_addr: int, dst_addr: int, length: int) -> None:
+    """Adds a copy, merged into the last one where both sides continue it."""
     if regions:
         last = regions[-1]
         if last.src_addr + last.length == src_addr and last.dst_addr + last.length == dst_addr:

@@ -34,6 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import zmq
@@ -129,6 +130,13 @@ class _Totals:
         self.read_s += read.duration_s
         self.retries += read.retries
         self.stalls += read.stalls
+
+
+class _Source(NamedTuple):
+    """What this rank does at one producer rank."""
+
+    heads: list[int]  # read there (none: the lease is only acquired and released)
+    readers: int  # consumer ranks that acquire that rank's lease
 
 
 @dataclass(frozen=True)
@@ -397,14 +405,12 @@ class WorkerHalf:
             assert h is not None and self._engine is not None
             out = _Totals()
             pull = _Pull(load, h, job, out)
-            for rank, heads in self._sources(h).items():
+            for rank, (heads, readers) in self._sources(h).items():
                 address = self._producer_address(h, rank)
                 # Only the holder of this token can release the lease this acquire pins.
                 owner = secrets.token_bytes(OWNER_BYTES)
                 asked_at = time.monotonic()
-                reply = self._acquire(
-                    address, h, owner, self._readers(h, rank), deadline - time.monotonic()
-                )
+                reply = self._acquire(address, h, owner, readers, deadline - time.monotonic())
                 if isinstance(reply, Refused):
                     return PullOutcome(load.req_id, ok=False, reason=reply.reason, refused=True)
                 acquired[address] = owner
@@ -546,25 +552,18 @@ class WorkerHalf:
                     local_block_ids=load.local_block_ids,
                 )
 
-    def _sources(self, h: Handoff) -> dict[int, list[int]]:
+    def _sources(self, h: Handoff) -> dict[int, _Source]:
         """The producer ranks whose lease this rank acquires, each with the heads it reads
-        there (none: acquired only to be released, so the lease ends)."""
+        there (none: acquired only to be released, so the lease ends) and the lease's readers."""
         producer_tp, tp = h.producer_tp_size, self._cfg.tp_size
         if self._kv_replicated:  # one lease for all ranks: acquire it where the latent is read
-            return {producer_rank_for(self._tp_rank, tp, producer_tp, True): [0]}
-        readers = lease_readers(self._kv_heads, producer_tp, tp)
-        out: dict[int, list[int]] = {
-            p: [] for p, ranks in readers.items() if self._tp_rank in ranks
+            return {producer_rank_for(self._tp_rank, tp, producer_tp, True): _Source([0], tp)}
+        heads = head_sources(self._kv_heads, producer_tp, tp, self._tp_rank)
+        return {
+            p: _Source([x for x, q in heads.items() if q == p], len(ranks))
+            for p, ranks in lease_readers(self._kv_heads, producer_tp, tp).items()
+            if self._tp_rank in ranks
         }
-        for head, p in head_sources(self._kv_heads, producer_tp, tp, self._tp_rank).items():
-            out[p].append(head)
-        return out
-
-    def _readers(self, h: Handoff, rank: int) -> int:
-        """How many consumer ranks acquire producer rank ``rank``'s lease."""
-        if self._kv_replicated:
-            return self._cfg.tp_size
-        return len(lease_readers(self._kv_heads, h.producer_tp_size, self._cfg.tp_size)[rank])
 
     def _producer_address(self, h: Handoff, rank: int) -> str:
         """The side channel of producer rank ``rank``: named in the handoff, or looked up by
@@ -615,15 +614,15 @@ class WorkerHalf:
         """Ends the leases of a handoff this consumer will not read (its prompt is cached here,
         or the handoff was rejected): acquire, then release, since only an owner may release."""
         try:
-            ranks = list(self._sources(h))
+            sources = self._sources(h)
         except Exception as e:  # a layout we cannot serve: the lease TTL frees the blocks
             logger.info("giving back transfer %s failed: %s", short_id(h.transfer_id), e)
             return
-        for rank in ranks:
+        for rank, source in sources.items():
             owner = secrets.token_bytes(OWNER_BYTES)
             try:
                 address = self._producer_address(h, rank)
-                reply = self._acquire(address, h, owner, self._readers(h, rank), _RELEASE_TIMEOUT_S)
+                reply = self._acquire(address, h, owner, source.readers, _RELEASE_TIMEOUT_S)
                 if isinstance(reply, Granted):
                     self._release(address, h.transfer_id, owner, ok)
             except Exception as e:  # the producer's lease TTL frees the blocks anyway
