@@ -160,8 +160,17 @@ async def test_an_instance_of_another_model_never_reads_the_pools_kv(small_pool,
     key of the Llama's there."""
     model, prefill, decode = small_pool["model"], small_pool["prefill"], small_pool["decode"]
     other = small_pool["other"]
-    prompt = prompts(seed=9, lengths=[900])[0]
-    await complete(http, prefill, body(model, prompt, max_tokens=1))
+    # The previous test leaves the pool full: a put may be refused until the master evicts.
+    # Wait for the prefill's puts (they land after its answer) and take a fresh prompt if the
+    # pool refused any of them.
+    for seed in range(9, 14):
+        prompt = prompts(seed=seed, lengths=[900])[0]
+        p0 = POOL_COUNTERS.read(prefill)
+        await complete(http, prefill, body(model, prompt, max_tokens=1))
+        p = await _puts_settle(prefill, p0, blocks(len(prompt)))
+        if p["put_blocks"] == blocks(len(prompt)):
+            break
+    assert p["put_blocks"] == blocks(len(prompt)), f"the full pool refused the Llama's puts: {p}"
     before = POOL_COUNTERS.read(decode)
     await complete(http, decode, body(model, prompt))
     await settles_at(
