@@ -16,11 +16,12 @@ length, our pull runs in three consumer layouts, each moving the bytes a real pu
   ``plan_pull`` over segments described down to each head's slab of a block
   (``tokens_addressable=False``), one region per (layer, block), into layer buffers of half the
   heads; half the bytes of ``same``;
-- ``block-resize``: the consumer's blocks are half the producer's: ``staging_regions`` of as many
-  remote blocks as a 64 MiB staging buffer (the connector's default ``reblock_buffer_bytes``)
-  holds, ``TransferAgent.read`` into it, then ``scatter_tokens`` into the consumer's layer tensors,
-  chunk after chunk as the decode worker's ``_read_reblocked`` does. Timed whole, the scatter
-  included (it is on the decode's critical path); ``scatter`` is its share of the time.
+- ``block-resize``: the consumer's blocks are half the producer's: the decode worker's
+  ``core.reblock.pull_through_staging`` with a 64 MiB staging buffer (the connector's default
+  ``reblock_buffer_bytes``): chunks read by ``TransferAgent.read`` into one half while the chunk
+  before is rearranged (``scatter_tokens``) from the other. Timed whole, the last chunk's
+  scatter included (it is on the decode's critical path); ``scatter`` is the time spent
+  scattering over the pull's time (overlapped with reads, so not a share of it).
 
 and the ``same`` bytes also move three other ways:
 
@@ -50,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -61,7 +63,7 @@ from tqdm import tqdm
 from benchmarks import common
 from benchmarks.transfer_peer import allocate, block_content
 from mooncake_vllm.core.planning import MemSegment, plan_pull, rank_heads, tensor_segments
-from mooncake_vllm.core.reblock import scatter_tokens, staging_bytes_per_block, staging_regions
+from mooncake_vllm.core.reblock import pull_through_staging
 from mooncake_vllm.transfer.engine import ReadResult, TransferAgent
 
 PRODUCER_HOST, CONSUMER_HOST = "127.0.0.2", "127.0.0.3"
@@ -187,6 +189,7 @@ class Bench:
         staging: torch.Tensor,
     ):
         self.engine, self.shape, self.peer, self.staging = engine, shape, peer, staging
+        self.staging_reads = ThreadPoolExecutor(1, thread_name_prefix="staging-read")
         self.num_blocks = num_blocks
         h = shape.kv_heads
         self.remote = [
@@ -255,34 +258,23 @@ class Bench:
         return self._pull(self.split_local, self.split_heads, tokens, ids)
 
     def block_resize(self, tokens: int, ids: Ids) -> dict:
-        """The decode worker's ``_read_reblocked``: remote blocks through staging, a chunk at a
-        time, each chunk scattered into the consumer's smaller blocks."""
+        """The decode worker's ``_read_reblocked`` (``core.reblock.pull_through_staging``):
+        remote blocks through staging a chunk at a time, each chunk scattered into the
+        consumer's smaller blocks while the next is read."""
         t0, c0 = time.perf_counter(), time.thread_time()
         s, heads = self.shape, list(range(self.shape.kv_heads))
-        chunk = self.staging.numel() // staging_bytes_per_block(self.remote, len(heads))
-        if chunk < 1:
-            raise ValueError(f"a {s.name} block does not fit {self.staging.numel()} B of staging")
-        nbytes = entries = 0
-        scatter_s = 0.0
-        end_remote = -(-tokens // s.block_size)
-        for r0 in range(0, end_remote, chunk):
-            r1 = min(end_remote, r0 + chunk)
-            regions = staging_regions(
-                self.remote, self.staging.data_ptr(), heads=heads, src_heads=range(len(heads)),
-                remote_block_ids=ids.src[r0:r1],
-            )  # fmt: skip
-            result = self._read(regions)
-            nbytes, entries = nbytes + result.bytes, entries + result.entries
-            t1 = time.perf_counter()
-            scatter_tokens(
-                self.staging, self.resized, head_size=s.head_dim, first_head=0,
-                heads=len(heads), src_block_size=s.block_size, dst_block_size=self.resized_block,
-                staged_from_token=r0 * s.block_size, staged_blocks=r1 - r0, first_token=0,
-                end_token=tokens, local_block_ids=ids.resized,
-            )  # fmt: skip
-            scatter_s += time.perf_counter() - t1
+        results: list[ReadResult] = []
+        scatter_s = pull_through_staging(
+            staging=self.staging, src=self.remote, layers=self.resized, heads=heads,
+            src_heads=range(len(heads)), first_head=0, src_block_size=s.block_size,
+            dst_block_size=self.resized_block, remote_block_ids=ids.src,
+            local_block_ids=ids.resized, first_token=0, end_token=tokens,
+            read=lambda regions: results.append(self._read(regions)),
+            before_writing=lambda: None, submit=self.staging_reads.submit,
+        )  # fmt: skip
         elapsed = time.perf_counter() - t0
-        return {"s": elapsed, "bytes": nbytes, "entries": entries,
+        return {"s": elapsed, "bytes": sum(r.bytes for r in results),
+                "entries": sum(r.entries for r in results), "chunks": len(results),
                 "thread_cpu_s": time.thread_time() - c0, "scatter_s": scatter_s}  # fmt: skip
 
     def raw_te(self, nbytes_per_layer: int, chunk_bytes: int) -> dict:
@@ -354,6 +346,7 @@ class Bench:
 
     def close(self) -> None:
         self.sock.close()
+        self.staging_reads.shutdown()
 
 
 def block_ids(tokens: int, shape: KvShape, num_blocks: int, kind: str, rng: random.Random) -> Ids:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import ctypes
 import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,8 +17,10 @@ from vllm import _custom_ops as ops
 
 from mooncake_vllm.core.planning import PlanError, rank_heads, tensor_segments
 from mooncake_vllm.core.reblock import (
-    scatter_tokens,
-    staging_bytes_per_block,
+    StagedChunk,
+    pull_through_staging,
+    run_staged,
+    staged_chunks,
     staging_regions,
 )
 
@@ -89,35 +94,32 @@ def test_staged_tokens_land_where_the_kernel_puts_them(
             heads=HEADS,
             tokens_addressable=False,
         )
-    staging = torch.empty(chunk * staging_bytes_per_block(segments, len(heads)), dtype=torch.uint8)
-    r0, r1 = first // src_block, n_remote
-    for c0 in range(r0, r1, chunk):
-        c1 = min(r1, c0 + chunk)
-        regions = staging_regions(
-            segments,
-            staging.data_ptr(),
-            heads=list(heads),
-            src_heads=range(HEADS),
-            remote_block_ids=remote[c0:c1],
-        )
+    # ``chunk`` remote blocks of every layer per staging half (a pull that fits in one half is
+    # cut by layers instead), read and rearranged as the decode worker does.
+    per_block = [s.unit_len * len(heads) for s in segments]
+    staging = torch.empty(2 * chunk * sum(per_block) + 128, dtype=torch.uint8)
+    chunks = staged_chunks(per_block, range(first // src_block, n_remote), staging.numel())
+    covered = [(s, b) for c in chunks for s in c.segments for b in c.blocks]
+    want = [(s, b) for s in range(LAYERS) for b in range(first // src_block, n_remote)]
+    assert sorted(covered) == want  # each remote block of each layer once
+    copied = []
+
+    def read(regions) -> None:
         for r in regions:  # what the transfer engine's read does
             assert staging.data_ptr() <= r.dst_addr
             assert r.dst_addr + r.length <= staging.data_ptr() + staging.numel()
             ctypes.memmove(r.dst_addr, r.src_addr, r.length)
-        scatter_tokens(
-            staging,
-            consumer,
-            head_size=HEAD_SIZE,
-            first_head=0,
-            heads=len(heads),
-            src_block_size=src_block,
-            dst_block_size=dst_block,
-            staged_from_token=c0 * src_block,
-            staged_blocks=c1 - c0,
-            first_token=first,
-            end_token=prompt,
-            local_block_ids=local,
-        )
+            copied.append(r.length)
+
+    with ThreadPoolExecutor(1) as reads:
+        pull_through_staging(
+            staging=staging, src=segments, layers=consumer, heads=list(heads),
+            src_heads=range(HEADS), first_head=0, src_block_size=src_block,
+            dst_block_size=dst_block, remote_block_ids=remote, local_block_ids=local,
+            first_token=first, end_token=prompt, read=read, before_writing=lambda: None,
+            submit=reads.submit,
+        )  # fmt: skip
+    assert sum(copied) == len(want) * per_block[0]  # the needed heads' slabs, once
     for got, want in zip(consumer, expected, strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -126,3 +128,74 @@ def test_staging_needs_slabs():
     segment = tensor_segments(0, (4, 2, 32, 16), (1024, 512, 16, 1), 4, 4, block_size=32, heads=2)
     with pytest.raises(PlanError, match="slabs"):
         staging_regions(segment, 0, heads=[0], src_heads=range(2), remote_block_ids=[1])
+
+
+def test_chunks_alternate_halves_and_cover_the_pull_once():
+    # Fits in half the buffer: cut by segments (layers), every block in each chunk.
+    small = staged_chunks([100] * 6, range(2, 5), 2 * 64 * 100)
+    assert [(c.segments, c.blocks) for c in small] == [
+        (range(0, 1), range(2, 5)), (range(1, 3), range(2, 5)),
+        (range(3, 4), range(2, 5)), (range(4, 6), range(2, 5)),
+    ]  # fmt: skip
+    half = 2 * 64 * 100 // 2 // 64 * 64
+    assert [c.offset for c in small] == [0, half, 0, half]
+    # Larger than half: as many blocks of every segment as a half holds.
+    big = staged_chunks([100] * 6, range(0, 25), 2 * 64 * 100)
+    assert [c.blocks for c in big] == [range(0, 10), range(10, 20), range(20, 25)]
+    assert {c.segments for c in big} == {range(6)}
+    assert [c.offset for c in big] == [0, half, 0]
+    with pytest.raises(PlanError, match="reblock_buffer_bytes 1000 is below two remote blocks"):
+        staged_chunks([100] * 6, range(0, 3), 1000)
+
+
+def test_a_chunk_is_read_while_the_one_before_is_rearranged_never_into_its_half():
+    chunks = staged_chunks([64] * 4, range(0, 40), 2 * 64 * 64 * 4 // 5)
+    assert len(chunks) >= 4
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def log(what: str, c: StagedChunk) -> None:
+        with lock:
+            events.append((what, chunks.index(c)))
+
+    def read(c: StagedChunk) -> None:
+        log("read", c)
+        time.sleep(0.01)
+        log("read done", c)
+
+    def rearrange(c: StagedChunk) -> None:
+        log("rearrange", c)
+        time.sleep(0.01)
+        log("rearrange done", c)
+
+    with ThreadPoolExecutor(1) as reads:
+        run_staged(chunks, read, rearrange, reads.submit)
+    at = {e: i for i, e in enumerate(events)}
+    for i in range(len(chunks)):
+        assert at[("read done", i)] < at[("rearrange", i)]
+        if i + 1 < len(chunks):  # the next read overlaps this rearrangement
+            assert at[("read", i + 1)] < at[("rearrange done", i)]
+        if i + 2 < len(chunks):  # but not into the half this one still uses
+            assert at[("rearrange done", i)] < at[("read", i + 2)]
+
+
+@pytest.mark.parametrize("fails", ["read", "rearrange"])
+def test_a_failure_is_raised_once_no_read_still_writes(fails):
+    chunks = staged_chunks([64] * 2, range(0, 10), 2 * 64 * 2 * 3)
+    running = threading.Event()
+
+    def read(c: StagedChunk) -> None:
+        running.set()
+        time.sleep(0.05)
+        running.clear()
+        if fails == "read" and c is chunks[1]:
+            raise OSError("read failed")
+
+    def rearrange(c: StagedChunk) -> None:
+        if fails == "rearrange" and c is chunks[0]:
+            raise RuntimeError("rearrange failed")
+
+    with ThreadPoolExecutor(1) as reads:
+        with pytest.raises((OSError, RuntimeError), match=f"{fails} failed"):
+            run_staged(chunks, read, rearrange, reads.submit)
+        assert not running.is_set()  # returned only once the read in flight had ended

@@ -12,18 +12,94 @@ with tensor copies. Only this format is re-blocked; any other is refused before 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
 from mooncake_vllm.core.planning import REBLOCKABLE, MemSegment, PlanError, Region, append_region
 
-__all__ = ["REBLOCKABLE", "scatter_tokens", "staging_bytes_per_block", "staging_regions"]
+__all__ = [
+    "REBLOCKABLE",
+    "StagedChunk",
+    "pull_through_staging",
+    "run_staged",
+    "scatter_tokens",
+    "staged_chunks",
+    "staging_bytes_per_block",
+    "staging_regions",
+]
 
 
 def staging_bytes_per_block(src: Sequence[MemSegment], heads: int) -> int:
     """Staging bytes one remote block takes: ``heads`` slabs of every segment."""
     return sum(s.unit_len for s in src) * heads
+
+
+@dataclass(frozen=True)
+class StagedChunk:
+    """Remote blocks ``blocks`` (indices into the pull's block list) of segments ``segments``,
+    staged at byte ``offset`` of the staging buffer."""
+
+    segments: range
+    blocks: range
+    offset: int
+
+
+def staged_chunks(
+    segment_bytes: Sequence[int], blocks: range, staging_bytes: int, *, min_chunks: int = 4
+) -> list[StagedChunk]:
+    """The pull cut into chunks that alternate between the two halves of the staging buffer, so
+    one chunk can be read while the one before is rearranged (``run_staged``).
+    ``segment_bytes``: one remote block's staged bytes in each segment.
+
+    A pull that fits in half the buffer is cut by segments into up to ``min_chunks`` chunks
+    (each every block of its segments); a larger one into as many blocks of every segment as
+    half the buffer holds. Raises PlanError when one block of every segment does not fit."""
+    half = staging_bytes // 2 // 64 * 64  # each half aligned for any dtype's view
+    per_block = sum(segment_bytes)
+    if per_block > half:
+        raise PlanError(
+            f"reblock_buffer_bytes {staging_bytes} is below two remote blocks' {2 * per_block} B "
+            "(one per staging half); raise it"
+        )
+    n = len(segment_bytes)
+    if per_block * len(blocks) <= half:
+        parts = min(min_chunks, n)
+        cuts = [n * i // parts for i in range(parts + 1)]
+        segs = [range(a, b) for a, b in pairwise(cuts) if b > a]
+        return [StagedChunk(g, blocks, half * (i % 2)) for i, g in enumerate(segs)]
+    step = half // per_block
+    return [
+        StagedChunk(range(n), range(b, min(blocks.stop, b + step)), half * (i % 2))
+        for i, b in enumerate(range(blocks.start, blocks.stop, step))
+    ]
+
+
+def run_staged(
+    chunks: Sequence[StagedChunk],
+    read: Callable[[StagedChunk], object],
+    rearrange: Callable[[StagedChunk], object],
+    submit: Callable[[Callable[[], object]], Future],
+) -> None:
+    """``read`` each chunk into staging (on ``submit``'s thread) while the chunk before it is
+    ``rearrange``d (on this one). Two chunks in flight at most, in the two halves of the buffer;
+    raises the first failure, and returns only when no read is writing into the buffer."""
+    pending: Future | None = submit(lambda: read(chunks[0])) if chunks else None
+    try:
+        for i, chunk in enumerate(chunks):
+            assert pending is not None
+            done, pending = pending, None
+            done.result()
+            if i + 1 < len(chunks):
+                pending = submit(lambda c=chunks[i + 1]: read(c))
+            rearrange(chunk)
+    finally:
+        if pending is not None:  # a failure left a read running: it writes into the buffer
+            wait([pending])
 
 
 def staging_regions(
@@ -96,3 +172,70 @@ def scatter_tokens(
             k_dst[lb, local, :, dst : dst + n] = k[r, :, :, src : src + n]
             v_dst[lb, local, dst : dst + n, :] = v[r, :, src : src + n, :]
             t += n
+
+
+def pull_through_staging(
+    *,
+    staging: torch.Tensor,
+    src: Sequence[MemSegment],
+    layers: Sequence[torch.Tensor],
+    heads: Sequence[int],
+    src_heads: range,
+    first_head: int,
+    src_block_size: int,
+    dst_block_size: int,
+    remote_block_ids: Sequence[int],
+    local_block_ids: Sequence[int],
+    first_token: int,
+    end_token: int,
+    read: Callable[[list[Region]], object],
+    before_writing: Callable[[], object],
+    submit: Callable[[Callable[[], object]], Future],
+) -> float:
+    """A pull from a producer of another block size: ``heads`` (``src_heads`` at the producer;
+    local heads from ``first_head``) of the remote blocks holding tokens ``[first_token,
+    end_token)``, read into ``staging`` (registered with the engine) by ``read(regions)`` a chunk
+    at a time (``staged_chunks``) and rearranged into ``layers`` (``scatter_tokens``) while the
+    next chunk is read (``run_staged``). ``before_writing`` is called before each rearrangement
+    (it raises to stop before a block is touched). Returns the seconds spent rearranging."""
+    chunks = staged_chunks(
+        [s.unit_len * len(heads) for s in src],
+        range(first_token // src_block_size, -(-end_token // src_block_size)),
+        staging.numel(),
+    )
+    head_size = src[0].unit_len // (2 * src_block_size * layers[0].element_size())
+    rearranging = 0.0
+
+    def read_chunk(c: StagedChunk) -> None:
+        read(
+            staging_regions(
+                src[c.segments.start : c.segments.stop],
+                staging.data_ptr() + c.offset,
+                heads=heads,
+                src_heads=src_heads,
+                remote_block_ids=remote_block_ids[c.blocks.start : c.blocks.stop],
+            )
+        )
+
+    def rearrange(c: StagedChunk) -> None:
+        nonlocal rearranging
+        before_writing()
+        t0 = time.perf_counter()
+        scatter_tokens(
+            staging[c.offset :],
+            layers[c.segments.start : c.segments.stop],
+            head_size=head_size,
+            first_head=first_head,
+            heads=len(heads),
+            src_block_size=src_block_size,
+            dst_block_size=dst_block_size,
+            staged_from_token=c.blocks.start * src_block_size,
+            staged_blocks=len(c.blocks),
+            first_token=first_token,
+            end_token=end_token,
+            local_block_ids=local_block_ids,
+        )
+        rearranging += time.perf_counter() - t0
+
+    run_staged(chunks, read_chunk, rearrange, submit)
+    return rearranging

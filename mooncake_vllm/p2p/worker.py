@@ -45,6 +45,7 @@ from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWor
 from mooncake_vllm.core.os_threads import make_latency_critical, name_this_thread
 from mooncake_vllm.core.planning import (
     REBLOCKABLE,
+    PlanError,
     head_sources,
     kv_cache_regions,
     lease_readers,
@@ -52,7 +53,7 @@ from mooncake_vllm.core.planning import (
     producer_rank_for,
     rank_heads,
 )
-from mooncake_vllm.core.reblock import scatter_tokens, staging_bytes_per_block, staging_regions
+from mooncake_vllm.core.reblock import pull_through_staging
 from mooncake_vllm.core.registry import (
     EngineRecord,
     ServingRecord,
@@ -196,6 +197,7 @@ class WorkerHalf:
         self._compat_hash = compat_hash
         self._keys = cfg.settings.auth_keys()  # read once: a rotated secret needs a restart
         self._releases: ThreadPoolExecutor | None = None
+        self._staging_reads: ThreadPoolExecutor | None = None
         if cfg.is_consumer:
             self._client = SideChannelClient(self._keys)
             self._pool = ThreadPoolExecutor(
@@ -205,6 +207,10 @@ class WorkerHalf:
             # Releases go out beside the pulls: a producer that does not answer must not delay
             # the outcome vLLM waits for (its lease TTL frees the blocks anyway).
             self._releases = ThreadPoolExecutor(1, thread_name_prefix="mooncake-release")
+            # A re-blocking pull reads its next chunk here while it rearranges the last one.
+            self._staging_reads = ThreadPoolExecutor(
+                1, thread_name_prefix="mooncake-staging", initializer=_init_pull_thread
+            )
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -502,55 +508,44 @@ class WorkerHalf:
         pull.out.add(read)
 
     def _read_reblocked(self, pull: _Pull, rank: int, heads: list[int], reply: Granted) -> None:
-        """``_read`` from a producer of another block size: the needed heads' slabs of as many
-        remote blocks as the staging buffer holds at a time, each chunk then rearranged into this
-        rank's blocks (``core.reblock``)."""
+        """``_read`` from a producer of another block size: the needed heads' slabs of the remote
+        blocks, a chunk at a time into one half of the staging buffer while the chunk before is
+        rearranged into this rank's blocks from the other (``core.reblock``)."""
         load, h, job = pull.load, pull.handoff, pull.job
         assert self._engine is not None and self._block_size is not None
+        assert self._staging_reads is not None
         if self._staging is None:
             raise PullFailed(
                 f"block size {h.block_size} at the producer, {self._block_size} here, and no "
                 "staging buffer to re-block (reblock_buffer_bytes)"
             )
-        per_block = staging_bytes_per_block(reply.segments, len(heads))
-        chunk = self._staging.numel() // per_block
-        if chunk < 1:
-            raise PullFailed(
-                f"reblock_buffer_bytes {self._staging.numel()} is below one remote block's "
-                f"{per_block} B; raise it"
-            )
-        src_heads = rank_heads(self._kv_heads, h.producer_tp_size, rank)
-        first_remote = load.first_token // h.block_size
-        end_remote = -(-h.prompt_len // h.block_size)
+
+        def before_writing() -> None:
+            if not job.start_writing():  # abandoned at its deadline: touch no block
+                raise PullFailed("abandoned at its deadline while staging")
+
         self._warm_up(reply, job)
-        with self._staging_lock:
-            for c0 in range(first_remote, end_remote, chunk):
-                c1 = min(end_remote, c0 + chunk)
-                regions = staging_regions(
-                    reply.segments,
-                    self._staging.data_ptr(),
+        with self._staging_lock:  # one re-blocking pull at a time: they share the buffer
+            try:
+                pull_through_staging(
+                    staging=self._staging,
+                    src=reply.segments,
+                    layers=self._layers,
                     heads=heads,
-                    src_heads=src_heads,
-                    remote_block_ids=load.remote_block_ids[c0:c1],
-                )
-                self._read_regions(pull, reply, regions)  # into staging: no block touched
-                if not job.start_writing():  # abandoned at its deadline: touch no block
-                    raise PullFailed("abandoned at its deadline while staging")
-                scatter_tokens(
-                    self._staging,
-                    self._layers,
-                    head_size=reply.segments[0].unit_len
-                    // (2 * h.block_size * self._layers[0].element_size()),
+                    src_heads=rank_heads(self._kv_heads, h.producer_tp_size, rank),
                     first_head=heads[0] - self._heads.start,
-                    heads=len(heads),
                     src_block_size=h.block_size,
                     dst_block_size=self._block_size,
-                    staged_from_token=c0 * h.block_size,
-                    staged_blocks=c1 - c0,
+                    remote_block_ids=load.remote_block_ids,
+                    local_block_ids=load.local_block_ids,
                     first_token=load.first_token,
                     end_token=h.prompt_len,
-                    local_block_ids=load.local_block_ids,
+                    read=lambda regions: self._read_regions(pull, reply, regions),
+                    before_writing=before_writing,
+                    submit=self._staging_reads.submit,
                 )
+            except PlanError as e:
+                raise PullFailed(str(e)) from e
 
     def _sources(self, h: Handoff) -> dict[int, _Source]:
         """The producer ranks whose lease this rank acquires, each with the heads it reads
@@ -641,6 +636,8 @@ class WorkerHalf:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._staging_reads is not None:
+            self._staging_reads.shutdown(wait=True)
         if self._releases is not None:
             self._releases.shutdown(wait=True)
         if self._claim is not None:
