@@ -26,7 +26,7 @@ from mooncake_vllm.core.settings import ConfigError
 from mooncake_vllm.p2p.config import load_settings
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.discovery import RegistryFollower, wanted_backends
-from mooncake_vllm.proxy.failover import Backends
+from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.routing import BackendPool, NoHealthyBackend
 from mooncake_vllm.proxy.server import parse_args
@@ -235,6 +235,67 @@ async def test_a_store_that_lost_its_records_does_not_take_the_backends_away():
     assert await pools_after({}, wait_s=14) == ({"http://p:1"}, set())
     # ... until the grace is over: then the missing record's backend leaves.
     assert await pools_after({}, wait_s=1) == (set(), set())
+
+
+async def test_calls_on_a_backend_whose_record_lapsed_go_on_and_a_stopped_ones_are_resent():
+    """A record gone for less than the grace had lapsed under a live engine (a late heartbeat):
+    the call waiting on it gets its answer there. One gone for the grace is an engine that
+    stopped: the call waiting on it is sent to the other decode."""
+    registry, now = _Registry(), [0.0]
+    backends = Backends(ProxyConfig(discover="redis://h:1"), ProxyMetrics())
+    follower = RegistryFollower(
+        backends, "redis://h:1", 1.0, grace_s=15.0, clock=lambda: now[0], store=registry
+    )
+    d1 = {serving_key("d1"): _record("d1", "kv_consumer", "http://d:1")}
+    d2 = {serving_key("d2"): _record("d2", "kv_consumer", "http://d:2")}
+
+    async def read(records: dict[str, bytes], wait_s: float) -> None:
+        now[0] += wait_s
+        registry.records = dict(records)
+        await follower.refresh()
+
+    await read({**d1, **d2}, 1.0)
+    pool = backends.pools["decode"]
+    for b in pool.backends:
+        b.healthy = True  # as their first probes would
+    answer = {url: asyncio.Event() for url in ("http://d:1", "http://d:2")}
+    sent: list[str] = []
+
+    async def send(backend, deadline) -> str:
+        sent.append(backend.url)
+        await answer[backend.url].wait()
+        return f"answer from {backend.url}"
+
+    ctx = RequestContext("r-1", time.monotonic(), "/v1/completions", {}, {})
+    call = asyncio.create_task(backends.call("decode", ctx, send, repeatable=False))
+    while not sent:
+        await asyncio.sleep(0)
+    first = sent[0]
+    lapsed = {"http://d:1": d2, "http://d:2": d1}[first]  # the other record only
+    await read(lapsed, 1.0)  # first's record lapses ...
+    await read(lapsed, 5.0)
+    await read({**d1, **d2}, 5.0)  # ... and is back within the grace
+    answer[first].set()
+    attempt = await asyncio.wait_for(call, 5)
+    assert attempt.answer == f"answer from {first}" and sent == [first]
+
+    answer[first].clear()
+    sent.clear()
+    for b in pool.backends:
+        b.healthy = True  # the returned one's probe
+    call = asyncio.create_task(backends.call("decode", ctx, send, repeatable=False))
+    while not sent:
+        await asyncio.sleep(0)
+    first = sent[0]
+    other = ({"http://d:1", "http://d:2"} - {first}).pop()
+    stopped = {"http://d:1": d2, "http://d:2": d1}[first]
+    answer[other].set()
+    await read(stopped, 1.0)
+    await read(stopped, 10.0)
+    assert not call.done()  # within the grace: still waiting where it was sent
+    await read(stopped, 5.0)  # the grace is over: its engine stopped
+    attempt = await asyncio.wait_for(call, 5)
+    assert attempt.answer == f"answer from {other}" and sent == [first, other]
 
 
 def test_discover_replaces_backend_flags_and_mixes_with_them():

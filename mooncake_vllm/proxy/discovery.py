@@ -8,7 +8,11 @@ engine stops, and expiring ``metadata_ttl_s`` after a crash. The follower reads 
 - a URL that appears is added to its pool(s) *out of rotation*, with a health probe due at once
   (``BackendPool.add``): the record is published while vLLM is still starting, and the first
   passing probe (within about a second of ``/health`` answering) brings it in;
-- a URL whose record is gone is removed (requests already on it finish);
+- a URL whose record is gone is removed (requests already on it finish). Calls still waiting
+  for its answer are sent elsewhere only if the record stays away for ``--discover-grace-s``:
+  a stopped engine answers them never (``failover.Backends.abandon``), but a record can also
+  lapse under a live engine whose heartbeat was late (a starved host), and its calls then
+  answer as usual; the record's return brings the backend back (out of rotation until probed);
 - static ``--prefill``/``--decode`` backends are never removed, and a discovered URL that is also
   static is left to the static entry.
 
@@ -41,6 +45,7 @@ from mooncake_vllm.core.registry import SERVING_PREFIX, decode_serving
 from mooncake_vllm.proxy.config import normalize_backend_url
 from mooncake_vllm.proxy.failover import Backends
 from mooncake_vllm.proxy.health import stop_task
+from mooncake_vllm.proxy.routing import Backend
 from mooncake_vllm.transfer.stores import (
     MetadataAuth,
     Store,
@@ -127,6 +132,9 @@ class RegistryFollower:
         self._discovered: dict[str, set[str]] = {role: set() for role in backends.pools}
         self._store_ok = True
         self._bad_logged: dict[str, str] = {}  # key -> reason, as last logged
+        # Backends whose records went away, by (role, url): when, and the removed Backend whose
+        # waiting calls are abandoned if the record stays away for grace_s.
+        self._left: dict[tuple[str, str], tuple[float, Backend]] = {}
         self.rounds = 0  # registry reads that succeeded (tests wait on it)
 
     def start(self) -> None:
@@ -187,11 +195,28 @@ class RegistryFollower:
             for url in self._discovered[role] - urls.keys():
                 gone = pool.remove(url)
                 self._discovered[role].discard(url)
-                # Its engine has stopped: calls still waiting for it will get no answer.
-                resent = self._backends.abandon(gone) if gone is not None else 0
-                logger.info("%s backend %s left (its registry record is gone); %d waiting "
-                            "calls sent elsewhere", role, url, resent)  # fmt: skip
+                if gone is not None:
+                    self._left[(role, url)] = (now, gone)
+                logger.info("%s backend %s left (its registry record is gone)", role, url)
+        self._abandon_the_stopped(now, wanted)
         self.rounds += 1
+
+    def _abandon_the_stopped(self, now: float, wanted: Mapping[str, Mapping[str, str]]) -> None:
+        """Calls still waiting on a backend whose record has been away for ``grace_s`` are sent
+        elsewhere: its engine has stopped and will not answer them. A record back sooner had
+        lapsed under a live engine: its calls go on."""
+        for (role, url), (since_s, gone) in list(self._left.items()):
+            if url in wanted[role]:
+                del self._left[(role, url)]
+                logger.info("%s backend %s is back in the registry: its record had lapsed, "
+                            "its calls go on", role, url)  # fmt: skip
+            elif now - since_s >= self._grace_s:
+                del self._left[(role, url)]
+                resent = self._backends.abandon(gone)
+                if resent:
+                    logger.info("%s backend %s stayed out of the registry for %gs: %d calls "
+                                "waiting on it sent elsewhere", role, url, self._grace_s,
+                                resent)  # fmt: skip
 
     def _hold_missing(self, now: float, why: str) -> None:
         """The store may have lost its data (restarted empty): for ``grace_s`` a missing record

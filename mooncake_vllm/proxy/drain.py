@@ -12,7 +12,9 @@ one of two ways (measured, ``test_xpyd_e2e``'s rolling restart):
   request never reaches an engine, and waits; when the engine is gone it gets HTTP 500 with
   vLLM's ``EngineDeadError`` message, or (a race in vLLM's teardown) no answer until the client
   gives up. With discovery the engine's registry record is deleted as it leaves its loop, and
-  the proxy sends the calls still waiting there elsewhere (``failover.Backends.abandon``); a
+  the proxy sends the calls still waiting there elsewhere once the record has stayed away for
+  ``--discover-grace-s`` (``failover.Backends.abandon``; sooner, it may have lapsed under a live
+  engine, ``discovery``); a
   static backend's call waits for the 500 or the proxy's ``--timeout-s``.
 
 Either way the backend did not act on the request: the proxy takes it out of rotation until it
