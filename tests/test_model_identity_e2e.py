@@ -1,8 +1,11 @@
-"""KV from another model of the same shape is refused: a prefill serving the tiny Llama and a
-decode serving the same architecture with other weights (another seed), both under one served
-model name, with vLLM's default ``kv_load_failure_policy`` (``fail``). Without the model in the
-compat hash the decode would read the prefill's blocks and answer fluently and wrongly; with it,
-the client gets an error, and the decode's log names both models' identities.
+"""KV from another model of the same shape is refused: the shared cluster's prefill serving the
+tiny Llama and a decode serving the same architecture with other weights (another seed) under the
+Llama's served name, with vLLM's default ``kv_load_failure_policy`` (``fail``). Without the model
+in the compat hash the decode would read the prefill's blocks and answer fluently and wrongly;
+with it, the client gets an error, and the decode's log names both models' identities.
+
+A decode of another head size and dtype (32 instead of 64, bfloat16 instead of float32) is
+refused the same way, its log naming both sides' values.
 """
 
 from __future__ import annotations
@@ -29,38 +32,45 @@ from mooncake_vllm.core.model_identity import model_identity, short_identity
 
 pytestmark = pytest.mark.servers
 
-PREFILL_HOST, DECODE_HOST = "127.0.0.51", "127.0.0.52"
-SERVED_NAME = "tiny-llama"  # one name for both models, so each server accepts the requests
+DECODE_HOST, OTHER_HOST = "127.0.0.52", "127.0.0.53"
 MODEL_A, MODEL_B = TinyModelSpec(), TinyModelSpec(seed=5678)  # same shape, other weights
+MODEL_C = TinyModelSpec(hidden=128, head_dim=32, intermediate=256, seed=91)  # another head size
 
 
 @pytest.fixture(scope="module")
-def mismatched_pair(tmp_path_factory):
-    """The prefill serves model A, the decode model B; yields them and the two identities."""
-    model_a, model_b = build_tiny_model(spec=MODEL_A), build_tiny_model(spec=MODEL_B)
-    cfg = mooncake_json(
-        tmp_path_factory.mktemp("model-identity") / "mooncake.json",
-        prefill_url=f"{PREFILL_HOST}:13003",
-        decode_url=f"{DECODE_HOST}:13012",
-    )
+def mismatched_pair(cluster, tmp_path_factory):
+    """Model A is the shared cluster's (its prefill hands over); the decode serves model B, the
+    other decode model C in bfloat16, both under model A's name so that they accept its
+    requests. Yields the three engines and the identities of A and B."""
+    model_a, model_b = cluster.model, build_tiny_model(spec=MODEL_B)
+    assert str(build_tiny_model(spec=MODEL_A)) == model_a
+    model_c = build_tiny_model(spec=MODEL_C)
+    cfg = mooncake_json(tmp_path_factory.mktemp("model-identity") / "mooncake.json")
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
-    name = ("--served-model-name", SERVED_NAME)
+    name = ("--served-model-name", model_a)
+
+    def consumer(host: str) -> tuple[str, ...]:
+        return (*kv_args("kv_consumer", {"decode_url": f"{host}:13012"}), *name)
+
     specs = [
-        ServerSpec("prefill-a", PREFILL_HOST, (*kv_args("kv_producer"), *name), env, str(model_a)),
-        ServerSpec("decode-b", DECODE_HOST, (*kv_args("kv_consumer"), *name), env, str(model_b)),
-    ]
-    started = start_many(str(model_a), specs)
+        ServerSpec("decode-b", DECODE_HOST, consumer(DECODE_HOST), env, str(model_b)),
+        ServerSpec(
+            "decode-c-bf16", OTHER_HOST, (*consumer(OTHER_HOST), "--dtype", "bfloat16"), env,
+            str(model_c),
+        ),
+    ]  # fmt: skip
+    started = start_many(model_a, specs)
     with contextlib.ExitStack() as stack:
         for srv in started:
             stack.enter_context(servers.running(srv))
         identities = [short_identity(model_identity(str(m))) for m in (model_a, model_b)]
-        yield (*started, *identities)
+        yield (cluster.prefill, *started, *identities)
 
 
 async def test_kv_of_another_model_of_the_same_shape_is_refused_not_used(
     mismatched_pair, log_on_failure
 ):
-    prefill, decode, ident_a, ident_b = mismatched_pair
+    prefill, decode, _, ident_a, ident_b = mismatched_pair
     for srv in (prefill, decode):
         log_on_failure(srv)
     assert ident_a != ident_b
@@ -70,7 +80,7 @@ async def test_kv_of_another_model_of_the_same_shape_is_refused_not_used(
     async with client_session() as http:
         for stream in (False, True):
             prompt = [rng.randrange(3, 2048) for _ in range(300)]
-            body = greedy_body(SERVED_NAME, prompt, 8, stream=stream)
+            body = greedy_body(prefill.model, prompt, 8, stream=stream)
             with pytest.raises(RuntimeError) as refused:
                 await two_legs(http, prefill, decode, body)
             print(f"stream={stream}: the client saw {str(refused.value)[:200]}")
@@ -92,4 +102,31 @@ async def test_kv_of_another_model_of_the_same_shape_is_refused_not_used(
     ext = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     assert ext == ext0
     # The refused handoffs' leases are released at once (not left to their TTL).
+    await eventually(lambda: prefill.metric("mooncake_vllm:held_leases") == 0, 10)
+
+
+async def test_kv_of_another_head_size_and_dtype_is_refused_naming_both(
+    mismatched_pair, log_on_failure
+):
+    """Model A's float32 KV with 64-wide heads, offered to a decode of 32-wide heads in
+    bfloat16: refused before a byte moves, through vLLM's failure policy, the decode's log
+    naming both sides' head sizes and dtypes; the lease is released at once."""
+    prefill, _, other, _, _ = mismatched_pair
+    for srv in (prefill, other):
+        log_on_failure(srv)
+    ext0 = other.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    failures0 = other.metric("mooncake_vllm:pull_failures_total")
+    prompt = [random.Random(25).randrange(3, 2048) for _ in range(300)]
+    async with client_session() as http:
+        with pytest.raises(RuntimeError):
+            await two_legs(http, prefill, other, greedy_body(prefill.model, prompt, 8))
+    log = other.process.log_path.read_text(errors="replace")
+    refusal = re.search(r"handoff rejected: compat hash mismatch.*", log)
+    assert refusal, "the decode should say why it refused"
+    said = refusal.group(0)
+    for value in ("4 heads x 64", "4 heads x 32", "torch.float32", "torch.bfloat16"):
+        assert value in said, (value, said)
+    assert said.index("4 heads x 64") < said.index("this consumer") < said.index("4 heads x 32")
+    await eventually(lambda: other.metric("mooncake_vllm:pull_failures_total") == failures0 + 1, 20)
+    assert other.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == ext0
     await eventually(lambda: prefill.metric("mooncake_vllm:held_leases") == 0, 10)
