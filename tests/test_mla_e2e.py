@@ -11,6 +11,11 @@ is a vLLM fault no handover can be token-exact against, so every server here tak
 A handoff between this MLA pair and the suite's Llama cluster, either way, is refused by the
 consumer (compat hash: MLA latent vs per-head K/V) and its ``kv_load_failure_policy`` decides;
 nothing is read from the other model's memory.
+
+Last, pool mode with the same model and plain server (the P2P pair stopped first): through
+``MooncakeStoreConnector`` and a real ``mooncake_master``, behind the guide's minimal proxy. An
+MLA engine stores its latent once (under rank 0's key, ``pool/keys.py``): a block's value is that
+block's latent page of every layer, nothing per head, and the byte counters say so.
 """
 
 from __future__ import annotations
@@ -23,13 +28,22 @@ import pytest
 from test_connector_e2e import assert_failed_load, body, eventually, nothing_held, prefill_body
 
 from harness.pd import (
+    POOL_COUNTERS,
     ServerSpec,
     complete,
+    greedy_body,
     kv_args,
+    minimal_proxy,
     mooncake_json,
+    pool_args,
+    pool_extra,
+    settles_at,
     start_many,
+    start_with_master,
+    tokens_by_transfer,
     two_legs,
 )
+from harness.servers import start_mooncake_master
 from harness.tiny_model import MLA_CPU_ARGS, TinyMLASpec, build_tiny_model
 
 pytestmark = pytest.mark.servers
@@ -219,3 +233,60 @@ async def test_mla_handoff_to_a_llama_engine_is_refused_and_its_policy_decides(
     else:  # kv_load_failure_policy=fail: vLLM's error document, not a misread answer
         assert_failed_load(status, text)
     await eventually(lambda: nothing_held(mla.prefill), timeout_s=LEASE_TTL_S + 10)
+
+
+# ---- pool mode (last: the P2P pair stops first) -------------------------------------------------
+
+POOL_LENGTHS = [1, 15, 16, 17, 100, 300, 513, 700, 1000, 1025, 1400, 1500]
+POOL_MAX_TOKENS = 8
+PAGE_BYTES = BLOCK * SPEC.kv_bytes_per_token  # one block: a latent page per layer
+
+
+@pytest.fixture(scope="module")
+def mla_pool(mla):
+    """A kv_both prefill and decode with MooncakeStoreConnector on their own master, beside the
+    module's plain server; the P2P pair is stopped first (at most four vLLMs here at once)."""
+    mla.prefill.stop()
+    mla.decode.stop()
+    master = start_mooncake_master()
+    extra = pool_extra(master, global_segment_size="128MB")
+    specs = [
+        ServerSpec("pool-mla-prefill", args=[*MLA_CPU_ARGS, *pool_args("kv_both", extra)]),
+        ServerSpec("pool-mla-decode", args=[*MLA_CPU_ARGS, *pool_args("kv_both", extra)]),
+    ]
+    servers = start_with_master(mla.model, master, specs)
+    yield servers
+    for srv in [*reversed(servers), master]:
+        srv.stop()
+
+
+async def test_mla_through_the_pool_equals_plain_one_latent_copy_per_block(mla, mla_pool, http):
+    prefill, decode = mla_pool
+    rng = random.Random(21)
+    batch = [[rng.randrange(3, SPEC.vocab) for _ in range(n)] for n in POOL_LENGTHS]
+    prefill0, decode0 = POOL_COUNTERS.read(prefill), POOL_COUNTERS.read(decode)
+    ext0 = tokens_by_transfer(decode)
+    mismatches = []
+    for i, prompt in enumerate(batch):
+        req = greedy_body(mla.model, prompt, POOL_MAX_TOKENS, ignore_eos=True)
+        ref = await complete(http, mla.plain, req)
+        got = await minimal_proxy(http, prefill, decode, {**req, "stream": i % 2 == 1})
+        if got.token_ids != ref.token_ids:
+            mismatches.append((len(prompt), ref.token_ids, got.token_ids))
+    assert not mismatches, f"decode differs from plain for (len, plain, decode): {mismatches}"
+
+    total = sum(len(p) for p in batch)
+    ext = tokens_by_transfer(decode) - ext0
+    print(f"MLA decode: {ext:.0f} of {total} prompt tokens from the pool")
+    assert ext >= 0.95 * total
+    # Every block of every prompt (the partial tails too) was put once, as one latent page per
+    # layer; the decode got whole pages of the same size.
+    n_blocks = sum(blocks(len(p)) for p in batch)
+    await settles_at(
+        lambda: POOL_COUNTERS.since(prefill, prefill0)["put_blocks"], n_blocks, "blocks put"
+    )
+    p, d = POOL_COUNTERS.since(prefill, prefill0), POOL_COUNTERS.since(decode, decode0)
+    assert p["put_bytes"] == n_blocks * PAGE_BYTES
+    assert d["get_blocks"] > 0 and d["get_bytes"] == d["get_blocks"] * PAGE_BYTES
+    assert (p["load_failures"], p["put_failures"]) == (0, 0)
+    assert (d["load_failures"], d["put_failures"]) == (0, 0)
