@@ -2,8 +2,16 @@
 apart), P2P handshake over TCP, vLLM's default ``kv_load_failure_policy`` (``fail``: a failed pull
 is an error for the client), a plain vLLM with default flags beside the pair (its worker busy-waits
 after every request), a model of another shape than the suite's (3 layers, 3 KV heads × 32), and
-requests through ``python proxy/proxy_server.py`` at concurrency 8, streamed and not. (Prefill
-and decode on two addresses is the shared cluster's layout, which the other e2e modules use.)
+requests through ``python proxy/proxy_server.py`` at concurrency 8, streamed and not. The pair is
+started with vLLM's own command, as vLLM's and Mooncake's guides write it:
+
+    MOONCAKE_CONFIG_PATH=mooncake.json vllm serve MODEL \\
+        --kv-transfer-config '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
+
+(Prefill and decode on two addresses is the shared cluster's layout, which the other e2e modules
+use.) Also: what vLLM's ``pause_generation`` (``POST /pause``, ``VLLM_SERVER_DEV_MODE=1``) does to
+a prefill that holds a lease: the pause waits until the lease ends, the blocks are never freed
+under it, and after ``/resume`` the pair hands KV over as before.
 
 A handover is proven by token equality with the plain server *and* by the decode's counters: the
 prompt tokens arrived by external transfer, and no pull failed (a recompute would hide one).
@@ -46,9 +54,9 @@ HOST = "127.0.0.1"
 MODEL_SPEC = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=32,
                            intermediate=384, seed=4321)  # fmt: skip
 LOAD_TIMEOUT_S = 8.0
-# A lease nobody pulls (the idle test's) ends this long after its grant: past the idle test's
-# window (~6 s), not the default 30 s that the test would then wait out.
-LEASE_TTL_S = 15.0
+# A lease nobody pulls (the idle and pause tests') ends this long after its grant: past the idle
+# test's window (~6 s), not the default 30 s that the tests would then wait out.
+LEASE_TTL_S = 10.0
 CONCURRENCY, MAX_TOKENS = 8, 8
 BLOCK = 128  # vLLM's CPU block size
 
@@ -85,6 +93,8 @@ def setup(tmp_path_factory):
             cfg,
             "1host",
             HOST,
+            env={"VLLM_SERVER_DEV_MODE": "1"},  # /pause and /resume
+            cli=True,
             prefill_env=freeze_after_grant_env(trigger),
             prefill_url=f"{HOST}:14100",
             decode_url=f"{HOST}:14200",
@@ -112,6 +122,8 @@ def nothing_held(srv) -> bool:
 
 
 async def test_concurrent_requests_through_the_proxy_all_arrive_by_transfer(setup, show_logs):
+    for srv in (setup.prefill, setup.decode):
+        assert srv.process.argv[1:3] == ["serve", setup.model]  # vllm serve MODEL ...
     await _two_hundred_requests(setup)
 
 
@@ -217,6 +229,35 @@ async def test_idle_pair_with_a_held_lease_and_a_waiting_pull_costs_almost_no_cp
         mute.close()
     # The lease the decode never pulled expires or is released; nothing stays held.
     await eventually(lambda: nothing_held(setup.prefill), timeout_s=60)
+
+
+async def test_pause_waits_for_a_held_lease_and_resume_serves_again(setup, show_logs):
+    prefill, decode = setup.prefill, setup.decode
+    prompt = list(range(7, 507))
+    body = {"model": setup.model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    async with client_session() as http:
+        params = {"do_remote_decode": True, "transfer_id": str(uuid.uuid4())}
+        await complete(http, prefill, {**body, "max_tokens": 1, "kv_transfer_params": params})
+        held = await eventually(lambda: prefill.metric("mooncake_vllm:held_leases") == 1, 5)
+        # Nobody pulls: the pause completes only when the lease expires and vLLM frees the
+        # request's blocks (an aborted running request would be freed at once).
+        t0 = time.monotonic()
+        async with http.post(f"{prefill.url}/pause", params={"mode": "abort"}) as resp:
+            assert resp.status == 200, await resp.text()
+        paused_after_s = time.monotonic() - t0
+        try:
+            assert prefill.metric("mooncake_vllm:held_leases") == 0
+            assert paused_after_s >= LEASE_TTL_S - held - 1.0, paused_after_s
+        finally:
+            async with http.post(f"{prefill.url}/resume") as resp:
+                assert resp.status == 200, await resp.text()
+        before = PULL_COUNTERS.read(decode)
+        ref = await complete(http, setup.plain, body)
+        got = await complete(http, setup.proxy, body)
+        assert got.token_ids == ref.token_ids
+    pulls = await pulls_since(decode, before, 1)
+    assert (pulls["pulls"], pulls["pull_failures"]) == (1, 0)
+    print(f"pause returned after {paused_after_s:.1f} s (lease TTL {LEASE_TTL_S} s)")
 
 
 async def test_a_producer_frozen_after_granting_ends_the_pull_by_the_deadline(setup, show_logs):
