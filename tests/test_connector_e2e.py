@@ -190,16 +190,20 @@ async def test_request_without_params_is_computed_locally_on_decode(pd, http):
 
 
 @pytest.mark.parametrize(
-    "mangle",
+    ("mangle", "decode_ends_the_lease"),
     [
-        pytest.param(lambda p: {**p, "transfer_id": f"unknown-{uuid.uuid4()}"}, id="unknown-id"),
-        pytest.param(lambda p: {**p, "compat_hash": "0" * 64}, id="wrong-compat-hash"),
-        pytest.param(lambda p: {**p, "remote_block_ids": p["remote_block_ids"][:1]}, id="short"),
-        pytest.param(lambda p: {"do_remote_prefill": True, "transfer_id": 5}, id="garbage"),
+        pytest.param(
+            lambda p: {**p, "transfer_id": f"unknown-{uuid.uuid4()}"}, False, id="unknown-id"
+        ),
+        pytest.param(lambda p: {**p, "compat_hash": "0" * 64}, True, id="wrong-compat-hash"),
+        pytest.param(
+            lambda p: {**p, "remote_block_ids": p["remote_block_ids"][:1]}, True, id="short"
+        ),
+        pytest.param(lambda p: {"do_remote_prefill": True, "transfer_id": 5}, False, id="garbage"),
     ],
 )
 @pytest.mark.provokes_pull_failure
-async def test_bad_handoff_recomputes_within_the_deadline(pd, http, mangle):
+async def test_bad_handoff_recomputes_within_the_deadline(pd, http, mangle, decode_ends_the_lease):
     prompt = prompts(seed=17, lengths=[400])[0]
     ref = await complete(http, pd.plain, body(pd.model, prompt))
     head = await complete(http, pd.prefill, prefill_body(pd.model, prompt))
@@ -211,7 +215,20 @@ async def test_bad_handoff_recomputes_within_the_deadline(pd, http, mangle):
     assert time.monotonic() - t0 < pd.load_timeout_s + 5
     assert got.token_ids == ref.token_ids  # recomputed locally (kv_load_failure_policy=recompute)
     await eventually(lambda: pd.decode.metric("mooncake_vllm:pull_failures_total") == failures0 + 1)
-    # The genuine lease is released by the rejecting decode, or else expires.
+    if not decode_ends_the_lease:
+        # An unknown id names no lease and garbage names nothing: the lease stays for the
+        # genuine handoff, which still pulls (the decode now has the prompt's full blocks
+        # cached, so it reads at least the last one), and that pull ends it.
+        pulls0 = pd.decode.metric("mooncake_vllm:pulls_total")
+        got = await complete(
+            http, pd.decode, body(pd.model, prompt, kv_transfer_params=head.kv_transfer_params)
+        )
+        assert got.token_ids == ref.token_ids
+        await eventually(lambda: pd.decode.metric("mooncake_vllm:pulls_total") == pulls0 + 1)
+        assert pd.decode.metric("mooncake_vllm:pull_failures_total") == failures0 + 1
+        await eventually(lambda: nothing_held(pd.prefill), timeout_s=5)
+    # A handoff naming the lease (a wrong compat hash, a short block list) is given back by the
+    # rejecting decode (acquire, then release), or else the lease expires.
     await eventually(lambda: nothing_held(pd.prefill), timeout_s=pd.lease_ttl_s + 10)
 
 

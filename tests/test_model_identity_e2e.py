@@ -23,7 +23,6 @@ from harness.pd import (
     eventually,
     greedy_body,
     kv_args,
-    mooncake_json,
     start_many,
     two_legs,
 )
@@ -38,15 +37,16 @@ MODEL_C = TinyModelSpec(hidden=128, head_dim=32, intermediate=256, seed=91)  # a
 
 
 @pytest.fixture(scope="module")
-def mismatched_pair(cluster, tmp_path_factory):
+def mismatched_pair(cluster):
     """Model A is the shared cluster's (its prefill hands over); the decode serves model B, the
     other decode model C in bfloat16, both under model A's name so that they accept its
     requests. Yields the three engines and the identities of A and B."""
     model_a, model_b = cluster.model, build_tiny_model(spec=MODEL_B)
     assert str(build_tiny_model(spec=MODEL_A)) == model_a
     model_c = build_tiny_model(spec=MODEL_C)
-    cfg = mooncake_json(tmp_path_factory.mktemp("model-identity") / "mooncake.json")
-    env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
+    # The cluster's config: its shared secret, so that the refusing decodes' releases of the
+    # prefill's leases are authenticated (the leases end at once, not at their TTL).
+    env = {"MOONCAKE_CONFIG_PATH": str(cluster.config_path)}
     name = ("--served-model-name", model_a)
 
     def consumer(host: str) -> tuple[str, ...]:
@@ -102,7 +102,7 @@ async def test_kv_of_another_model_of_the_same_shape_is_refused_not_used(
     ext = decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     assert ext == ext0
     # The refused handoffs' leases are released at once (not left to their TTL).
-    await eventually(lambda: prefill.metric("mooncake_vllm:held_leases") == 0, 10)
+    await eventually(lambda: prefill.metric("mooncake_vllm:held_leases") == 0, 5)
 
 
 async def test_kv_of_another_head_size_and_dtype_is_refused_naming_both(
@@ -129,4 +129,4 @@ async def test_kv_of_another_head_size_and_dtype_is_refused_naming_both(
     assert said.index("4 heads x 64") < said.index("this consumer") < said.index("4 heads x 32")
     await eventually(lambda: other.metric("mooncake_vllm:pull_failures_total") == failures0 + 1, 20)
     assert other.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == ext0
-    await eventually(lambda: prefill.metric("mooncake_vllm:held_leases") == 0, 10)
+    await eventually(lambda: prefill.metric("mooncake_vllm:held_leases") == 0, 5)
