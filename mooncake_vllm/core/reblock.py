@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 
@@ -41,24 +40,22 @@ def staging_bytes_per_block(src: Sequence[MemSegment], heads: int) -> int:
 
 @dataclass(frozen=True)
 class StagedChunk:
-    """Remote blocks ``blocks`` (indices into the pull's block list) of segments ``segments``,
-    staged at byte ``offset`` of the staging buffer."""
+    """Remote blocks ``blocks`` (indices into the pull's block list) of every segment, staged at
+    byte ``offset`` of the staging buffer."""
 
-    segments: range
     blocks: range
     offset: int
 
 
 def staged_chunks(
-    segment_bytes: Sequence[int], blocks: range, staging_bytes: int, *, min_chunks: int = 4
+    segment_bytes: Sequence[int], blocks: range, staging_bytes: int
 ) -> list[StagedChunk]:
-    """The pull cut into chunks that alternate between the two halves of the staging buffer, so
-    one chunk can be read while the one before is rearranged (``run_staged``).
-    ``segment_bytes``: one remote block's staged bytes in each segment.
-
-    A pull that fits in half the buffer is cut by segments into up to ``min_chunks`` chunks
-    (each every block of its segments); a larger one into as many blocks of every segment as
-    half the buffer holds. Raises PlanError when one block of every segment does not fit."""
+    """The pull cut into chunks of as many remote blocks (of every segment) as half the staging
+    buffer holds, alternating between the two halves, so that one chunk is read while the one
+    before is rearranged (``run_staged``). ``segment_bytes``: one remote block's staged bytes in
+    each segment. A pull that fits in one half is one chunk: cutting it further (by layers) costs
+    reads and gained nothing on two shared cores (``benchmarks.transfer``). Raises PlanError
+    when one block of every segment does not fit in a half."""
     half = staging_bytes // 2 // 64 * 64  # each half aligned for any dtype's view
     per_block = sum(segment_bytes)
     if per_block > half:
@@ -66,15 +63,9 @@ def staged_chunks(
             f"reblock_buffer_bytes {staging_bytes} is below two remote blocks' {2 * per_block} B "
             "(one per staging half); raise it"
         )
-    n = len(segment_bytes)
-    if per_block * len(blocks) <= half:
-        parts = min(min_chunks, n)
-        cuts = [n * i // parts for i in range(parts + 1)]
-        segs = [range(a, b) for a, b in pairwise(cuts) if b > a]
-        return [StagedChunk(g, blocks, half * (i % 2)) for i, g in enumerate(segs)]
     step = half // per_block
     return [
-        StagedChunk(range(n), range(b, min(blocks.stop, b + step)), half * (i % 2))
+        StagedChunk(range(b, min(blocks.stop, b + step)), half * (i % 2))
         for i, b in enumerate(range(blocks.start, blocks.stop, step))
     ]
 
@@ -209,7 +200,7 @@ def pull_through_staging(
     def read_chunk(c: StagedChunk) -> None:
         read(
             staging_regions(
-                src[c.segments.start : c.segments.stop],
+                src,
                 staging.data_ptr() + c.offset,
                 heads=heads,
                 src_heads=src_heads,
@@ -223,7 +214,7 @@ def pull_through_staging(
         t0 = time.perf_counter()
         scatter_tokens(
             staging[c.offset :],
-            layers[c.segments.start : c.segments.stop],
+            layers,
             head_size=head_size,
             first_head=first_head,
             heads=len(heads),
