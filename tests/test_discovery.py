@@ -204,12 +204,18 @@ class _Registry:
         pass
 
 
-async def test_a_store_that_lost_its_records_does_not_take_the_backends_away():
+def _following() -> tuple[_Registry, list[float], Backends, RegistryFollower]:
+    """A follower of a fake registry on a clock the test moves (``now[0]``), 15 s of grace."""
     registry, now = _Registry(), [0.0]
     backends = Backends(ProxyConfig(discover="redis://h:1"), ProxyMetrics())
     follower = RegistryFollower(
         backends, "redis://h:1", 1.0, grace_s=15.0, clock=lambda: now[0], store=registry
     )
+    return registry, now, backends, follower
+
+
+async def test_a_store_that_lost_its_records_does_not_take_the_backends_away():
+    registry, now, backends, follower = _following()
     p1 = {serving_key("p1"): _record("p1", "kv_producer", "http://p:1")}
     d1 = {serving_key("d1"): _record("d1", "kv_consumer", "http://d:1")}
 
@@ -241,11 +247,7 @@ async def test_calls_on_a_backend_whose_record_lapsed_go_on_and_a_stopped_ones_a
     """A record gone for less than the grace had lapsed under a live engine (a late heartbeat):
     the call waiting on it gets its answer there. One gone for the grace is an engine that
     stopped: the call waiting on it is sent to the other decode."""
-    registry, now = _Registry(), [0.0]
-    backends = Backends(ProxyConfig(discover="redis://h:1"), ProxyMetrics())
-    follower = RegistryFollower(
-        backends, "redis://h:1", 1.0, grace_s=15.0, clock=lambda: now[0], store=registry
-    )
+    registry, now, backends, follower = _following()
     d1 = {serving_key("d1"): _record("d1", "kv_consumer", "http://d:1")}
     d2 = {serving_key("d2"): _record("d2", "kv_consumer", "http://d:2")}
 
