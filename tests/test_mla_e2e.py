@@ -73,14 +73,17 @@ class MlaPair:
 
 
 @pytest.fixture(scope="module")
-def mla(tmp_path_factory, request):
+def mla(cluster, tmp_path_factory, request):
     model = str(build_tiny_model(spec=SPEC))
+    # The shared cluster's secret: a consumer that refuses the other model's handoff gives its
+    # lease back (acquire, then release), which the producer takes only when authenticated.
     cfg = mooncake_json(
         tmp_path_factory.mktemp("mla") / "mooncake.json",
         prefill_url=f"{PREFILL_HOST}:13100",
         decode_url=f"{DECODE_HOST}:13110",
         lease_ttl_s=LEASE_TTL_S,
         load_timeout_s=LOAD_TIMEOUT_S,
+        auth_secret_file=str(cluster.secret_path),
     )
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     specs = [
@@ -215,7 +218,8 @@ async def test_llama_handoff_to_an_mla_decode_is_refused_and_recomputed(mla, pd,
     assert status == 200, text
     # kv_load_failure_policy=recompute: the MLA decode computed the prompt itself.
     assert json.loads(text)["choices"][0]["token_ids"] == ref.token_ids
-    await eventually(lambda: nothing_held(pd.prefill), timeout_s=pd.lease_ttl_s + 10)
+    # Given back at once by the refusing decode (the lease's TTL is 10 s).
+    await eventually(lambda: nothing_held(pd.prefill), timeout_s=5)
 
 
 @pytest.mark.provokes_pull_failure
@@ -232,7 +236,7 @@ async def test_mla_handoff_to_a_llama_engine_is_refused_and_its_policy_decides(
         assert json.loads(text)["choices"][0]["token_ids"] == ref.token_ids
     else:  # kv_load_failure_policy=fail: vLLM's error document, not a misread answer
         assert_failed_load(status, text)
-    await eventually(lambda: nothing_held(mla.prefill), timeout_s=LEASE_TTL_S + 10)
+    await eventually(lambda: nothing_held(mla.prefill), timeout_s=5)  # given back at once
 
 
 # ---- pool mode (last: the P2P pair stops first) -------------------------------------------------
