@@ -8,6 +8,7 @@ Every counter is read as a difference around the test's own requests.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from functools import partial
 
@@ -160,25 +161,29 @@ async def test_an_instance_of_another_model_never_reads_the_pools_kv(small_pool,
     key of the Llama's there."""
     model, prefill, decode = small_pool["model"], small_pool["prefill"], small_pool["decode"]
     other = small_pool["other"]
-    # The previous test leaves the pool full: a put may be refused until the master evicts.
-    # Wait for the prefill's puts (they land after its answer) and take a fresh prompt if the
-    # pool refused any of them.
-    for seed in range(9, 14):
+    # The previous test leaves the pool full, much of it under the master's 10 s read leases: a
+    # put is refused ("no space") until they end and the master evicts, and a key put may be
+    # evicted again before the decode looks. Wait for the prefill's puts (they land after its
+    # answer) and take a fresh prompt, 2 s later, until the decode finds the Llama's KV.
+    found = {}
+    for seed in range(9, 19):
+        if seed > 9:
+            await asyncio.sleep(2.0)
         prompt = prompts(seed=seed, lengths=[900])[0]
         p0 = POOL_COUNTERS.read(prefill)
         await complete(http, prefill, body(model, prompt, max_tokens=1))
         p = await _puts_settle(prefill, p0, blocks(len(prompt)))
-        if p["put_blocks"] == blocks(len(prompt)):
+        if p["put_blocks"] < blocks(len(prompt)):
+            continue  # refused by the full pool
+        before = POOL_COUNTERS.read(decode)
+        await complete(http, decode, body(model, prompt))
+        await settles_at(
+            lambda b=before: POOL_COUNTERS.since(decode, b)["lookups"], 1, "the Llama's lookup"
+        )
+        found = POOL_COUNTERS.since(decode, before)
+        if found["hit_blocks"] >= 1:
             break
-    assert p["put_blocks"] == blocks(len(prompt)), f"the full pool refused the Llama's puts: {p}"
-    before = POOL_COUNTERS.read(decode)
-    await complete(http, decode, body(model, prompt))
-    await settles_at(
-        lambda: POOL_COUNTERS.since(decode, before)["lookups"], 1, "the Llama's lookup"
-    )
-    assert POOL_COUNTERS.since(decode, before)["hit_blocks"] >= 1, (
-        "the Llama's KV is not in the pool"
-    )
+    assert found.get("hit_blocks", 0) >= 1, "the Llama's KV is not in the pool"
 
     before, ext0 = POOL_COUNTERS.read(other), tokens_by_transfer(other)
     first = await complete(http, other, body(small_pool["other_model"], prompt))
