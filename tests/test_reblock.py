@@ -21,6 +21,7 @@ from mooncake_vllm.core.reblock import (
     pull_through_staging,
     run_staged,
     staged_chunks,
+    staging_bytes_per_block,
     staging_regions,
 )
 
@@ -96,8 +97,8 @@ def test_staged_tokens_land_where_the_kernel_puts_them(
         )
     # ``chunk`` remote blocks of every layer per staging half, read and rearranged as the decode
     # worker does.
-    per_block = [s.unit_len * len(heads) for s in segments]
-    staging = torch.empty(2 * chunk * sum(per_block) + 128, dtype=torch.uint8)
+    per_block = staging_bytes_per_block(segments, len(heads))
+    staging = torch.empty(2 * chunk * per_block + 128, dtype=torch.uint8)
     chunks = staged_chunks(per_block, range(first // src_block, n_remote), staging.numel())
     covered = [b for c in chunks for b in c.blocks]
     assert covered == list(range(first // src_block, n_remote))  # each remote block once
@@ -118,7 +119,7 @@ def test_staged_tokens_land_where_the_kernel_puts_them(
             first_token=first, end_token=prompt, read=read, before_writing=lambda: None,
             submit=reads.submit,
         )  # fmt: skip
-    assert sum(copied) == len(covered) * sum(per_block)  # the needed heads' slabs, once
+    assert sum(copied) == len(covered) * per_block  # the needed heads' slabs, once
     for got, want in zip(consumer, expected, strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -132,19 +133,19 @@ def test_staging_needs_slabs():
 def test_chunks_alternate_halves_and_cover_the_pull_once():
     half = 2 * 64 * 100 // 2 // 64 * 64
     # Fits in half the buffer: one chunk.
-    assert staged_chunks([100] * 6, range(2, 5), 2 * 64 * 100) == [StagedChunk(range(2, 5), 0)]
+    assert staged_chunks(600, range(2, 5), 2 * 64 * 100) == [StagedChunk(range(2, 5), 0)]
     # Larger than half: as many blocks of every segment as a half holds, halves alternating.
-    big = staged_chunks([100] * 6, range(0, 25), 2 * 64 * 100)
+    big = staged_chunks(600, range(0, 25), 2 * 64 * 100)
     assert big == [
         StagedChunk(range(0, 10), 0), StagedChunk(range(10, 20), half),
         StagedChunk(range(20, 25), 0),
     ]  # fmt: skip
     with pytest.raises(PlanError, match="reblock_buffer_bytes 1000 is below two remote blocks"):
-        staged_chunks([100] * 6, range(0, 3), 1000)
+        staged_chunks(600, range(0, 3), 1000)
 
 
 def test_a_chunk_is_read_while_the_one_before_is_rearranged_never_into_its_half():
-    chunks = staged_chunks([64] * 4, range(0, 40), 2 * 64 * 64 * 4 // 5)
+    chunks = staged_chunks(256, range(0, 40), 2 * 64 * 64 * 4 // 5)
     assert len(chunks) >= 4
     events: list[tuple[str, int]] = []
     lock = threading.Lock()
@@ -176,7 +177,7 @@ def test_a_chunk_is_read_while_the_one_before_is_rearranged_never_into_its_half(
 
 @pytest.mark.parametrize("fails", ["read", "rearrange"])
 def test_a_failure_is_raised_once_no_read_still_writes(fails):
-    chunks = staged_chunks([64] * 2, range(0, 10), 2 * 64 * 2 * 3)
+    chunks = staged_chunks(128, range(0, 10), 2 * 64 * 2 * 3)
     running = threading.Event()
 
     def read(c: StagedChunk) -> None:

@@ -47,17 +47,15 @@ class StagedChunk:
     offset: int
 
 
-def staged_chunks(
-    segment_bytes: Sequence[int], blocks: range, staging_bytes: int
-) -> list[StagedChunk]:
+def staged_chunks(per_block: int, blocks: range, staging_bytes: int) -> list[StagedChunk]:
     """The pull cut into chunks of as many remote blocks (of every segment) as half the staging
     buffer holds, alternating between the two halves, so that one chunk is read while the one
-    before is rearranged (``run_staged``). ``segment_bytes``: one remote block's staged bytes in
-    each segment. A pull that fits in one half is one chunk: cutting it further (by layers) costs
-    reads and gained nothing on two shared cores (``benchmarks.transfer``). Raises PlanError
-    when one block of every segment does not fit in a half."""
+    before is rearranged (``run_staged``). ``per_block``: one remote block's staged bytes, every
+    segment (``staging_bytes_per_block``). A pull that fits in one half is one chunk: cutting it
+    further (by layers) costs reads and gained nothing on two shared cores
+    (``benchmarks.transfer``). Raises PlanError when one block of every segment does not fit in
+    a half."""
     half = staging_bytes // 2 // 64 * 64  # each half aligned for any dtype's view
-    per_block = sum(segment_bytes)
     if per_block > half:
         raise PlanError(
             f"reblock_buffer_bytes {staging_bytes} is below two remote blocks' {2 * per_block} B "
@@ -190,7 +188,7 @@ def pull_through_staging(
     next chunk is read (``run_staged``). ``before_writing`` is called before each rearrangement
     (it raises to stop before a block is touched). Returns the seconds spent rearranging."""
     chunks = staged_chunks(
-        [s.unit_len * len(heads) for s in src],
+        staging_bytes_per_block(src, len(heads)),
         range(first_token // src_block_size, -(-end_token // src_block_size)),
         staging.numel(),
     )
