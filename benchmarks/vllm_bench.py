@@ -1,23 +1,29 @@
 """vLLM's own benchmark client (``vllm bench serve``) against our pair and against plain vLLM.
 
-    python -m benchmarks.vllm_bench [--num-prompts 200] [--concurrency 8] [--input-len 400]
-        [--output-len 16] [--datasets random,prefix_repetition] [--out-dir DIR]
+    python -m benchmarks.vllm_bench [--num-prompts N] [--concurrency 1,4,8] [--input-len 400,2000]
+        [--output-len 16] [--datasets random,prefix_repetition] [--setups plain,pair,pair-placed]
+        [--out-dir DIR]
 
-Two setups of the tiny local model on this machine, all three servers started with ``vllm serve
-MODEL`` (float32, eager, as ``harness.servers`` starts them) and up together:
+Setups of the tiny local model on this machine, every server started with ``vllm serve MODEL``
+(float32, eager, as ``harness.servers`` starts them) and all up together:
 
-- ``plain``: one vLLM on 127.0.0.1;
-- ``pair``: the README's pair on one host: prefill and decode on 127.0.0.1 with
-  ``MooncakeConnector`` (one ``mooncake.json``: P2P handshake, TCP; the guide's
+- ``plain``: one vLLM on 127.0.0.1, on every core of the host (``VLLM_CPU_OMP_THREADS_BIND`` of
+  all of them);
+- ``pair``: the README's pair on one host, as a user who sets nothing gets it: prefill and decode
+  on 127.0.0.1 with ``MooncakeConnector`` (one ``mooncake.json``: P2P handshake, TCP; the guide's
   ``--kv-transfer-config``, vLLM's default failure policy), ``python proxy/proxy_server.py`` in
-  front of them.
+  front of them, each engine bound by vLLM's default (``auto``: every core, so both bind the same
+  ones);
+- ``pair-placed``: the same pair with each engine on its own cores (``harness.placement``: on two
+  cores, prefill on core 0 and decode on core 1).
 
-For each dataset, vLLM's client runs against ``plain``, then against the proxy, one after the other
-(a pause between, so the idle server's post-request busy-wait is over). The numbers are the
-client's own (its ``--save-result`` file): request throughput, TTFT, TPOT, ITL, E2E latency,
-failed requests. For the pair, the decode's counters around the run: pulls, pull failures (must be
-0), retries and how its prompt tokens were sourced (``vllm:prompt_tokens_by_source_total``: by
-external transfer, by its own prefix cache, computed).
+For each dataset, input length and concurrency, vLLM's client runs against each setup, one
+after the other (a pause between, so the idle servers' post-request busy-wait is over). The
+numbers are the client's own (its ``--save-result`` file): request throughput, TTFT, TPOT, ITL,
+E2E latency, failed requests. For a pair, the decode's counters around the run: pulls, pull
+failures (must be 0), retries and how its prompt tokens were sourced
+(``vllm:prompt_tokens_by_source_total``: by external transfer, by its own prefix cache,
+computed).
 
 Datasets: ``random`` (``--random-input-len``/``--random-output-len``, ``--ignore-eos``) and
 ``prefix_repetition`` (``--num-prefixes`` shared prefixes of ``input_len * 5 / 8`` tokens, the
@@ -43,12 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from harness import servers
+from harness import placement, servers
 from harness.pd import PULL_COUNTERS, ServerSpec, kv_args, mooncake_json, start_many
 from harness.tiny_model import build_tiny_model
 from harness.xpyd import start_proxy
 
 NAME = "vllm_bench"
+SETUPS = ("plain", "pair", "pair-placed")
 HOST = "127.0.0.1"
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 QUIET_S = 2.0  # a vLLM worker busy-waits ~1 s after its last step: let it end between runs
@@ -63,42 +70,63 @@ def parse_args(argv: list[str] | None = None):
         default=common.DEFAULT_OUT_DIR,
         help="where the result directory goes (%(default)s; committed: benchmarks/results)",
     )
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--input-len", type=int, default=400)
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="per run (default: 16 per concurrent slot, "
+        "at least 32)",
+    )  # fmt: skip
+    p.add_argument("--concurrency", type=_int_list, default=[8], help="comma list: 1,4,8")
+    p.add_argument("--input-len", type=_int_list, default=[400], help="comma list: 400,2000")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--num-prefixes", type=int, default=10, help="prefix_repetition's prefixes")
     p.add_argument("--datasets", default="random,prefix_repetition")
-    return p.parse_args(argv)
+    p.add_argument("--setups", default="plain,pair", help=f"comma list of {', '.join(SETUPS)}")
+    args = p.parse_args(argv)
+    args.setups = [x.strip() for x in args.setups.split(",") if x.strip()]
+    for x in args.setups:
+        if x not in SETUPS:
+            p.error(f"--setups: {x!r} is not one of {', '.join(SETUPS)}")
+    return args
 
 
-def dataset_args(name: str, args) -> list[str]:
-    """vLLM's client flags for one dataset at the run's lengths."""
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def num_prompts(args, concurrency: int) -> int:
+    return args.num_prompts or max(32, 16 * concurrency)
+
+
+def dataset_args(name: str, args, input_len: int) -> list[str]:
+    """vLLM's client flags for one dataset at one input length."""
     if name == "random":
         return [
             "--dataset-name", "random",
-            "--random-input-len", str(args.input_len),
+            "--random-input-len", str(input_len),
             "--random-output-len", str(args.output_len),
         ]  # fmt: skip
     if name == "prefix_repetition":
-        prefix = args.input_len * 5 // 8
+        prefix = input_len * 5 // 8
         return [
             "--dataset-name", "prefix_repetition",
             "--prefix-repetition-prefix-len", str(prefix),
-            "--prefix-repetition-suffix-len", str(args.input_len - prefix),
+            "--prefix-repetition-suffix-len", str(input_len - prefix),
             "--prefix-repetition-num-prefixes", str(args.num_prefixes),
             "--prefix-repetition-output-len", str(args.output_len),
         ]  # fmt: skip
     raise SystemExit(f"--datasets: {name!r} is not one of random, prefix_repetition")
 
 
-def client_argv(model: str, base_url: str, dataset: str, args, result: Path) -> list[str]:
+def client_argv(
+    model: str, base_url: str, dataset: str, args, cell: tuple[int, int], result: Path
+) -> list[str]:
+    input_len, concurrency = cell
     return [
         VLLM, "bench", "serve",
         "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
         "--model", model, "--tokenizer", model,
-        *dataset_args(dataset, args),
-        "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
+        *dataset_args(dataset, args, input_len),
+        "--num-prompts", str(num_prompts(args, concurrency)),
+        "--max-concurrency", str(concurrency),
         "--ignore-eos", "--temperature", "0", "--seed", "0", "--num-warmups", "8",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--disable-tqdm",
@@ -135,9 +163,9 @@ def client_numbers(r: dict[str, Any]) -> dict[str, Any]:
 
 # The summary's columns; the rest of client_numbers and pair_numbers goes to the samples file.
 ROW_COLUMNS = (
-    "dataset", "setup", "completed", "failed", "req_per_s", "ttft_mean", "ttft_p50", "ttft_p99",
-    "tpot_mean", "tpot_p99", "itl_mean", "itl_p99", "pulls", "pull_failures", "by_transfer",
-    "by_decode_cache",
+    "dataset", "input_len", "concurrency", "setup", "completed", "failed", "req_per_s",
+    "ttft_mean", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "itl_p99", "pulls",
+    "pull_failures", "by_transfer", "by_decode_cache",
 )  # fmt: skip
 
 
@@ -179,26 +207,52 @@ def pair_numbers(before: dict[str, float], after: dict[str, float]) -> dict[str,
     }
 
 
-def start_servers(model: str, workdir: Path, log_dir: Path):
-    cfg = mooncake_json(
-        workdir / "mooncake.json",
-        prefill_url=f"{HOST}:{servers.free_port(HOST)}",
-        decode_url=f"{HOST}:{servers.free_port(HOST)}",
-    )
-    env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
-    specs = [
-        ServerSpec("plain", HOST, cli=True),
-        ServerSpec("prefill", HOST, kv_args("kv_producer"), env, cli=True),
-        ServerSpec("decode", HOST, kv_args("kv_consumer"), env, cli=True),
-    ]
-    return start_many(model, specs, log_dir=log_dir)
+def start_servers(model: str, workdir: Path, log_dir: Path, setups: list[str]):
+    """The setups' servers, all at once: {"plain": server, "pair": (prefill, decode), ...}."""
+    everything = placement.bind_env(placement.host_cpus())
+    specs: list[ServerSpec] = []
+    if "plain" in setups:
+        specs.append(ServerSpec("plain", HOST, env=everything, cli=True))
+    for setup in setups:
+        if setup == "plain":
+            continue
+        cfg = mooncake_json(
+            workdir / f"mooncake-{setup}.json",
+            prefill_url=f"{HOST}:{servers.free_port(HOST)}",
+            decode_url=f"{HOST}:{servers.free_port(HOST)}",
+        )
+        env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
+        if setup == "pair-placed":
+            binds = [placement.bind_env(c) for c in placement.split_cores(2)]
+        else:  # vLLM's default, as a user who sets nothing gets it
+            binds = [{"VLLM_CPU_OMP_THREADS_BIND": "auto", **_threads(everything)}] * 2
+        roles = (("prefill", "kv_producer"), ("decode", "kv_consumer"))
+        for (role, kind), bind in zip(roles, binds, strict=True):
+            spec_env = {**env, **bind}
+            specs.append(ServerSpec(f"{role}-{setup}", HOST, kv_args(kind), spec_env, cli=True))
+    up = dict(zip([s.name for s in specs], start_many(model, specs, log_dir=log_dir), strict=True))
+    return {
+        setup: up["plain"] if setup == "plain" else (up[f"prefill-{setup}"], up[f"decode-{setup}"])
+        for setup in setups
+    }
+
+
+def _threads(env: dict[str, str]) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": env["OMP_NUM_THREADS"]}
+
+
+def _command(srv) -> str:
+    """How ``srv`` was started, with the environment that placed it."""
+    env = getattr(srv.process, "env", None) or {}
+    bind = {k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS") if k in env}
+    return shlex.join([*(f"{k}={v}" for k, v in bind.items()), *srv.process.argv])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     for d in datasets:
-        dataset_args(d, args)  # a bad name stops here, before minutes of start-up
+        dataset_args(d, args, 1)  # a bad name stops here, before minutes of start-up
     raw_dir = common.samples_path_for(args.out_dir, NAME).parent
     raw_dir.mkdir(parents=True, exist_ok=True)
     model = str(build_tiny_model())
@@ -208,41 +262,56 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[dict[str, Any]] = []
     commands: dict[str, str] = {}
     try:
-        print("starting plain, prefill and decode (vllm serve) ...", flush=True)
+        print(f"starting {', '.join(args.setups)} (vllm serve) ...", flush=True)
         t0 = time.monotonic()
-        plain, prefill, decode = start_servers(model, workdir, raw_dir)
-        started += [plain, prefill, decode]
-        proxy = start_proxy(["--prefill", prefill.url, "--decode", decode.url], log_dir=raw_dir)
-        started.append(proxy)
-        print(f"up after {time.monotonic() - t0:.0f} s; proxy {proxy.url}", flush=True)
-        commands["servers"] = " ; ".join(
-            shlex.join(s.process.argv) for s in (plain, prefill, decode)
-        )
-        commands["proxy"] = shlex.join(proxy.process.argv)
+        up = start_servers(model, workdir, raw_dir, args.setups)
+        urls: dict[str, str] = {}
+        for setup, srv in up.items():
+            if setup == "plain":
+                started.append(srv)
+                urls[setup] = srv.url
+                commands["plain"] = _command(srv)
+                continue
+            prefill, decode = srv
+            started += [prefill, decode]
+            proxy = start_proxy(["--prefill", prefill.url, "--decode", decode.url], log_dir=raw_dir)
+            started.append(proxy)
+            urls[setup] = proxy.url
+            commands[setup] = " ; ".join(_command(s) for s in (prefill, decode, proxy))
+        print(f"up after {time.monotonic() - t0:.0f} s", flush=True)
+        cells = [(n, c) for n in args.input_len for c in args.concurrency]
         for dataset in datasets:
-            for setup, url in (("plain", plain.url), ("pair", proxy.url)):
-                result = raw_dir / f"{dataset}-{setup}.json"
-                argv = client_argv(model, url, dataset, args, result)
-                commands[f"{dataset}/{setup}"] = shlex.join(argv)
-                time.sleep(QUIET_S)
-                before = decode_counters(decode) if setup == "pair" else None
-                print(f"{dataset} / {setup}: {shlex.join(argv[:3])} ...", flush=True)
-                r = run_client(argv, raw_dir / f"{dataset}-{setup}.log")
-                numbers = {"dataset": dataset, "setup": setup, **client_numbers(r)}
-                if before is not None:
-                    after = settled_counters(decode, before, r["completed"])
-                    numbers.update(pair_numbers(before, after))
-                row = {k: numbers.get(k) for k in ROW_COLUMNS}  # None: not measured (plain)
-                rows.append(row)
-                samples.append({**numbers, "result_file": str(result)})
-                print(common.table([row]), flush=True)
+            for cell in cells:
+                for setup in args.setups:
+                    tag = f"{dataset}-{cell[0]}-c{cell[1]}-{setup}"
+                    result = raw_dir / f"{tag}.json"
+                    argv = client_argv(model, urls[setup], dataset, args, cell, result)
+                    commands[tag] = shlex.join(argv)
+                    time.sleep(QUIET_S)
+                    decode = None if setup == "plain" else up[setup][1]
+                    before = decode_counters(decode) if decode else None
+                    print(f"{tag}: {shlex.join(argv[:3])} ...", flush=True)
+                    r = run_client(argv, raw_dir / f"{tag}.log")
+                    numbers = {
+                        "dataset": dataset, "input_len": cell[0], "concurrency": cell[1],
+                        "setup": setup, **client_numbers(r),
+                    }  # fmt: skip
+                    if decode is not None:
+                        after = settled_counters(decode, before, r["completed"])
+                        numbers.update(pair_numbers(before, after))
+                    row = {k: numbers.get(k) for k in ROW_COLUMNS}  # None: not measured (plain)
+                    rows.append(row)
+                    samples.append({**numbers, "result_file": str(result)})
+                    print(common.table([row]), flush=True)
     finally:
         for srv in reversed(started):
             srv.stop()
         servers.stop_all()
     notes = [
-        "plain and pair ran in the same process tree on the same 2 cores, one after the other",
-        "pair: prefill and decode both on 127.0.0.1, P2P handshake over TCP, default failure "
+        f"every setup ran on the same {len(placement.host_cpus())} cores, one after the other",
+        "plain: VLLM_CPU_OMP_THREADS_BIND of every core; pair: vLLM's default binding (auto) "
+        "for both engines; pair-placed: each engine on its own cores (harness.placement)",
+        "pairs: prefill and decode both on 127.0.0.1, P2P handshake over TCP, default failure "
         "policy (fail), behind python proxy/proxy_server.py",
         "times in ms, vLLM's client's own numbers (every percentile, output throughput and "
         "vLLM's per-request files: the samples file)",
@@ -251,9 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         "tokens by external KV transfer and by its own prefix cache (the rest: computed)",
     ]
     settings = {
-        "num_prompts": args.num_prompts,
+        "num_prompts": {c: num_prompts(args, c) for c in args.concurrency},
         "concurrency": args.concurrency,
         "input_len": args.input_len,
+        "setups": args.setups,
         "output_len": args.output_len,
         "num_prefixes": args.num_prefixes,
         "datasets": datasets,
@@ -263,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = common.write_result(
         args.out_dir, NAME, settings=settings, samples=samples, rows=rows, notes=notes
     )
-    common.report("vllm bench serve: plain vs pair", rows, [paths.summary, paths.samples])
+    common.report("vllm bench serve: plain vs pairs", rows, [paths.summary, paths.samples])
     bad = [r for r in rows if r["failed"] or r.get("pull_failures")]
     return 1 if bad else 0
 
