@@ -7,7 +7,8 @@ t``), followed by V row-major, ``[block_size, head_size]``. A head's slab is one
 token is not, so blocks of another size cannot be filled by byte copies. A pull instead reads the
 needed heads' slabs of the remote blocks into a staging buffer (``staging_regions``: one region
 per slab, merged where adjacent), then ``scatter_tokens`` rearranges them into the local blocks
-with numpy copies of strided views. Only this format is re-blocked; any other is refused before a byte moves.
+with numpy copies of strided views. Only this format is re-blocked; any other is refused before a
+byte moves.
 """
 
 from __future__ import annotations
