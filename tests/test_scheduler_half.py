@@ -5,7 +5,9 @@ which blocks it plans to fill, which handoffs it rejects, and what a finished pr
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +24,7 @@ from mooncake_vllm.p2p import protocol
 from mooncake_vllm.p2p.config import load_settings, resolve
 from mooncake_vllm.p2p.leases.client import MAX_READERS, RankLayout
 from mooncake_vllm.p2p.scheduler import SchedulerHalf
-from mooncake_vllm.p2p.side_channel import SideChannelClient
+from mooncake_vllm.p2p.side_channel import CallCancelled, SideChannelClient
 
 BLOCK = 128
 HASH = "c" * 64
@@ -257,17 +259,21 @@ def test_a_finished_prefill_hands_over_its_prompt_blocks_and_holds_them(producer
     assert (stats["held_leases"], stats["held_bytes"]) == (1, 3 * 1000)
 
 
-def test_the_producer_names_the_transfer_itself_whatever_the_client_sent(producer):
-    # A client's transfer id (before: used as given) could name, or collide with, another
-    # request's lease; the producer's own is 128 random bits.
+def test_the_producer_takes_only_a_fresh_128_bit_id_from_the_client(producer):
+    # A client's transfer id could name, or collide with, another request's lease: the producer
+    # takes one only in the form it makes itself (32 hex digits: the proxy's, sent to the decode
+    # too under --dispatch concurrent) and only once; otherwise its own 128 random bits.
+    good = "0123456789abcdef" * 2
     ids = []
-    for i, params in enumerate([{"transfer_id": "t-9"}, {"transfer_id": "t-9"}, {}]):
-        req = request(f"p{i}", 300, {"do_remote_decode": True, **params},
-                      status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
+    asked = ["t-9", "t-9", None, good, good, good.upper()]
+    for i, tid in enumerate(asked):
+        params = {"do_remote_decode": True, **({"transfer_id": tid} if tid else {})}
+        req = request(f"p{i}", 300, params, status=RequestStatus.FINISHED_STOPPED, computed=300)
         ids.append(protocol.parse_handoff(producer.request_finished(req, [5, 6, 7])[1]).transfer_id)
-    assert len(set(ids)) == 3 and "t-9" not in ids
-    assert all(len(tid) == 32 and int(tid, 16) >= 0 for tid in ids)
-    assert producer.get_stats().data["held_leases"] == 3  # none superseded another
+    assert len(set(ids)) == len(asked) and "t-9" not in ids
+    assert ids[3] == good  # taken once, never again
+    assert all(protocol.is_transfer_id(tid) for tid in ids)
+    assert producer.get_stats().data["held_leases"] == len(asked)  # none superseded another
 
 
 @pytest.mark.parametrize(
@@ -591,3 +597,100 @@ def test_the_same_layout_with_another_model_is_refused_naming_both_models(
     assert "compat hash mismatch" in load.error
     producer_words, consumer_words = load.error.split("; producer: ")[1].split(", this consumer: ")
     assert producer_words.endswith(named[0]) and consumer_words.endswith(named[1])
+
+
+# ---- pending handoffs (the proxy's --dispatch concurrent) --------------------------------------
+
+
+def _finish_prefill(producer, req_id: str, transfer_id: str) -> protocol.Handoff:
+    req = request(req_id, 300, {"do_remote_decode": True, "transfer_id": transfer_id},
+                  status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
+    return protocol.parse_handoff(producer.request_finished(req, [5, 6, 7])[1])
+
+
+def test_a_pending_acquire_waits_for_the_prefill_and_is_granted_its_handoff(producer):
+    client, tid, owner = SideChannelClient(), "ab" * 16, b"o" * protocol.OWNER_BYTES
+    address = f"127.0.0.1:{producer._cfg.side_channel_port(0)}"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(
+                client.call, address, protocol.Acquire(tid, [], owner, 1, "", wait_ms=5000), 5
+            )
+            time.sleep(0.3)
+            assert not waiting.done()  # parked at the lease server: the prefill is not done
+            h = _finish_prefill(producer, "p1", tid)
+            reply = waiting.result(timeout=5)
+        assert isinstance(reply, protocol.Granted) and reply.handoff == h
+        assert h.transfer_id == tid and h.remote_block_ids == [5, 6, 7]
+        client.call(address, protocol.Release(tid, True, owner), timeout_s=5)
+        assert producer.build_connector_meta(STEP).finished_sending == {"p1"}
+    finally:
+        client.close()
+
+
+def test_a_pending_acquire_is_refused_at_its_deadline_or_withdrawn_by_its_owner(producer):
+    client, owner = SideChannelClient(), b"o" * protocol.OWNER_BYTES
+    address = f"127.0.0.1:{producer._cfg.side_channel_port(0)}"
+    try:
+        tid = "cd" * 16
+        t0 = time.monotonic()
+        reply = client.call(address, protocol.Acquire(tid, [], owner, 1, "", wait_ms=300), 5)
+        assert isinstance(reply, protocol.Refused) and "within 0.3s" in reply.reason
+        assert 0.25 < time.monotonic() - t0 < 3
+        # Withdrawn: a release by the acquire's owner takes it off the waiting list, so the
+        # prefill finishing later grants nobody and the lease is held for a real consumer.
+        tid = "ef" * 16
+        cancelled = threading.Event()
+        cancelled.set()
+        with pytest.raises(CallCancelled):
+            client.call(
+                address, protocol.Acquire(tid, [], owner, 1, "", wait_ms=5000), 5, cancelled
+            )
+        released = client.call(address, protocol.Release(tid, False, owner), timeout_s=5)
+        assert released == protocol.Released(tid)
+        _finish_prefill(producer, "p2", tid)
+        other = b"x" * protocol.OWNER_BYTES
+        granted = client.call(address, protocol.Acquire(tid, [], other, 1, "", wait_ms=1000), 5)
+        assert isinstance(granted, protocol.Granted)  # nobody else had taken it
+    finally:
+        client.close()
+
+
+def test_a_consumer_takes_a_pending_handoff_and_cancels_its_pull_when_aborted(consumer):
+    pending = {
+        "do_remote_prefill": True, "pending": True, "transfer_id": "12" * 16,
+        "producer_engine_id": "prefill-x", "side_channel_host": "127.0.0.2",
+        "side_channel_ports": [14001], "producer_tp_size": 1,
+    }  # fmt: skip
+    req = request("d1", 300, dict(pending))
+    assert consumer.get_num_new_matched_tokens(req, 0) == (300, True)
+    consumer.update_state_after_alloc(req, Blocks([7, 8, 9]), 300)
+    (load,) = consumer.build_connector_meta(STEP).loads
+    assert isinstance(load.handoff, protocol.PendingHandoff) and load.error is None
+    assert (load.remote_block_ids, load.local_block_ids) == ([], [7, 8, 9])
+    assert load.checks["prompt_len"] == 300 and load.checks["compat_hash"] == HASH
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert consumer.request_finished(req, [7, 8, 9]) == (False, None)
+    assert consumer.build_connector_meta(STEP).cancelled == {"d1"}
+    assert consumer.build_connector_meta(STEP).cancelled == set()  # said once
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"transfer_id": "t-1"}, "32 lowercase hex digits"),
+        ({"side_channel_ports": [1, 2]}, "2 side_channel_ports for producer_tp_size 1"),
+        ({"side_channel_host": ""}, "names the producer's side channel"),
+    ],
+)
+def test_a_malformed_pending_handoff_is_rejected_through_the_policy(consumer, change, error):
+    pending = {
+        "do_remote_prefill": True, "pending": True, "transfer_id": "12" * 16,
+        "producer_engine_id": "prefill-x", "side_channel_host": "127.0.0.2",
+        "side_channel_ports": [14001], "producer_tp_size": 1, **change,
+    }  # fmt: skip
+    req = request("d1", 300, pending)
+    consumer.get_num_new_matched_tokens(req, 0)
+    consumer.update_state_after_alloc(req, Blocks([7, 8, 9]), 300)
+    (load,) = consumer.build_connector_meta(STEP).loads
+    assert load.handoff is None and error in load.error

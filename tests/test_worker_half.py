@@ -13,6 +13,7 @@ from mooncake_vllm.core.auth import new_secret, seal_record
 from mooncake_vllm.core.registry import EngineRecord, encode_record, registry_key
 from mooncake_vllm.p2p import protocol
 from mooncake_vllm.p2p.config import load_settings, resolve
+from mooncake_vllm.p2p.side_channel import CallCancelled
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.p2p.worker import WorkerHalf
 from mooncake_vllm.transfer.engine import TransferAgent
@@ -487,3 +488,109 @@ def test_both_ranks_of_a_tp2_consumer_share_the_lease_of_a_tp1_producer(engine, 
     (acquire,) = [f for f in channel.frames if isinstance(f, protocol.Acquire)]
     assert acquire.readers == 2  # the producer's lease ends with the second rank's release
     assert stats.data["bytes"] == 3 * 2 * 16 * UNIT  # this rank's two heads only
+
+
+# ---- pending handoffs (the proxy's --dispatch concurrent) --------------------------------------
+
+
+class PendingSideChannel(FakeSideChannel):
+    """A producer whose prefill finishes when ``finish`` is set: a pending acquire waits for it
+    (or for its ``cancelled`` event) and is granted ``handoff``."""
+
+    def __init__(self, handoff: protocol.Handoff):
+        super().__init__()
+        self.handoff, self.finish = handoff, threading.Event()
+
+    def call(self, address, frame, timeout_s, cancelled=None):
+        if isinstance(frame, protocol.Acquire) and frame.wait_ms:
+            self.frames.append(frame)
+            deadline = time.monotonic() + timeout_s
+            while not self.finish.wait(0.01):
+                if cancelled is not None and cancelled.is_set():
+                    raise CallCancelled("cancelled")
+                assert time.monotonic() < deadline
+            return protocol.Granted(frame.transfer_id, "producer:1", [REMOTE], "inc", self.handoff)
+        return super().call(address, frame, timeout_s)
+
+
+TID = "ab" * 16
+
+
+def pending_load(req_id: str = "req-1", blocks: int = 2) -> MooncakeConnectorMetadata:
+    pending = protocol.PendingHandoff(
+        transfer_id=TID,
+        producer_engine_id="producer",
+        side_channel_host="127.0.0.1",
+        side_channel_ports=[16000],
+        producer_tp_size=1,
+    )
+    checks = {"prompt_len": blocks * 16, "compat_hash": "hash", "kv_heads": 1, "tp_size": 1,
+              "block_size": 16}  # fmt: skip
+    spec = LoadSpec(req_id, pending, [], list(range(3, 3 + blocks)), checks=checks)
+    return MooncakeConnectorMetadata(loads=[spec])
+
+
+def granted_handoff(blocks: int = 2, **change) -> protocol.Handoff:
+    fields = dict(
+        transfer_id=TID, producer_engine_id="producer", side_channel_host="127.0.0.1",
+        side_channel_ports=[16000], producer_tp_size=1, remote_block_ids=list(range(1, 1 + blocks)),
+        prompt_len=blocks * 16, block_size=16, compat_hash="hash", producer_incarnation="inc",
+    )  # fmt: skip
+    return protocol.Handoff(**{**fields, **change})
+
+
+def test_a_pending_pull_waits_for_the_prefill_then_reads_the_granted_blocks(engine):
+    engine.done.set()
+    channel = PendingSideChannel(granted_handoff())
+    worker = make_worker(engine, channel, load_timeout_s=5.0)
+    worker.start_load_kv(pending_load())
+    time.sleep(0.2)
+    assert worker.get_transfer_results().finished_recving == set()  # still waiting
+    channel.finish.set()
+    recving, failed, settled = collect_until(worker, lambda r, f, s: s)
+    assert (recving, failed, settled) == ({"req-1"}, set(), ["req-1"])
+    assert engine.submitted == [REMOTE.base_addr, REMOTE.base_addr + BLOCK]  # blocks 1 and 2
+    worker.shutdown()
+    acquire, release = channel.frames
+    assert (acquire.transfer_id, acquire.remote_block_ids, acquire.incarnation) == (TID, [], "")
+    assert acquire.wait_ms > 4000  # as long as the load may take
+    assert release == protocol.Release(TID, True, acquire.owner)
+
+
+def test_an_aborted_pending_pull_is_withdrawn_and_settled_without_a_failure(engine):
+    channel = PendingSideChannel(granted_handoff())
+    worker = make_worker(engine, channel, load_timeout_s=30.0)
+    worker.start_load_kv(pending_load())
+    time.sleep(0.1)
+    started = time.monotonic()
+    worker.start_load_kv(MooncakeConnectorMetadata(cancelled={"req-1"}))  # vLLM aborted it
+    recving, failed, settled = collect_until(worker, lambda r, f, s: s)
+    assert time.monotonic() - started < 1.0
+    assert (recving, failed, settled) == ({"req-1"}, set(), ["req-1"])  # vLLM frees the blocks
+    stats = worker.get_stats().data
+    assert (stats["cancelled"], stats["pull_failures"]) == (1, 0)
+    worker.shutdown()
+    acquire, release = channel.frames  # the wait withdrawn at the producer by its owner
+    assert release == protocol.Release(TID, False, acquire.owner)
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"compat_hash": "other"}, "compat hash mismatch"),
+        ({"prompt_len": 40, "remote_block_ids": [1, 2, 3]}, "prompt length 32"),
+        ({"producer_engine_id": "someone-else"}, "'someone-else' (TP 1) holds the transfer"),
+    ],
+)
+def test_a_pending_pull_checks_the_granted_handoff_before_a_byte_moves(engine, change, error):
+    channel = PendingSideChannel(granted_handoff(**change))
+    channel.finish.set()
+    worker = make_worker(engine, channel, load_timeout_s=5.0)
+    worker.start_load_kv(pending_load())
+    recving, failed, _ = collect_until(worker, lambda r, f, s: s)
+    assert (recving, failed) == ({"req-1"}, {"req-1"})  # through vLLM's failure policy
+    assert engine.submitted == []
+    worker.shutdown()
+    acquire, release = channel.frames
+    assert release == protocol.Release(TID, False, acquire.owner)

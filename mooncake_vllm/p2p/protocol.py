@@ -49,6 +49,57 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.to_builtins(self)
 
 
+class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):
+    """A handoff sent with the prefill leg, before the prefill has finished (the proxy's
+    ``--dispatch concurrent``): the proxy chose ``transfer_id`` and gave it to the prefill too,
+    and knows where the producer is from its earlier handoffs. The consumer's acquire waits at the
+    producer's side channel until the prefill's lease exists, and the grant carries the rest of
+    the ``Handoff`` (blocks, block size, compat hash, incarnation), checked before a byte moves."""
+
+    do_remote_prefill: bool = True
+    do_remote_decode: bool = False
+    pending: bool = True
+    version: int = PROTOCOL_VERSION
+    transfer_id: str
+    producer_engine_id: str
+    side_channel_host: str
+    side_channel_ports: list[int]
+    producer_tp_size: int
+
+    def to_params(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+def is_transfer_id(value: object) -> bool:
+    """128 random bits in lowercase hex: the only transfer id a producer takes from a client
+    (``--dispatch concurrent``), so a lease's name is never guessable or reused."""
+    return (
+        isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def parse_pending(params: dict[str, Any]) -> PendingHandoff:
+    """Decode a pending handoff from a client; raises HandoffError naming the problem."""
+    try:
+        h = msgspec.convert(params, PendingHandoff)
+    except msgspec.ValidationError as e:
+        raise HandoffError(f"malformed pending kv_transfer_params: {e}") from e
+    if h.version != PROTOCOL_VERSION:
+        raise HandoffError(f"handoff version {h.version}, this consumer speaks {PROTOCOL_VERSION}")
+    if not is_transfer_id(h.transfer_id):
+        raise HandoffError("a pending handoff's transfer_id must be 32 lowercase hex digits")
+    if not h.producer_engine_id:
+        raise HandoffError("empty producer_engine_id")
+    if not h.side_channel_host or h.producer_tp_size < 1:
+        raise HandoffError("a pending handoff names the producer's side channel and TP size")
+    if len(h.side_channel_ports) != h.producer_tp_size:
+        raise HandoffError(
+            f"{len(h.side_channel_ports)} side_channel_ports for producer_tp_size "
+            f"{h.producer_tp_size} (one port per producer TP rank)"
+        )
+    return h
+
+
 def parse_handoff(params: dict[str, Any]) -> Handoff:
     """Decode ``kv_transfer_params`` from a client; raises HandoffError naming the problem."""
     try:
@@ -160,6 +211,9 @@ class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     owner: bytes
     readers: int = 1
     incarnation: str = ""  # the handoff's ``producer_incarnation``
+    # A pending handoff's acquire (no blocks, no incarnation yet): the producer answers it when
+    # the lease exists, or refuses it after this long.
+    wait_ms: int = 0
 
 
 class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):
@@ -169,6 +223,7 @@ class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):
     te_segment: str
     segments: list[MemSegment]
     incarnation: str = ""
+    handoff: Handoff | None = None  # to a pending acquire: the handoff it waited for
 
 
 class Refused(msgspec.Struct, tag=_tag("refused"), frozen=True):

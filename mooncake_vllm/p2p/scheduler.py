@@ -37,7 +37,15 @@ from mooncake_vllm.core.planning import REBLOCKABLE
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
 from mooncake_vllm.p2p.local_channels import WakeForwarder, wake_endpoint
-from mooncake_vllm.p2p.protocol import Handoff, HandoffError, parse_handoff, validate_handoff
+from mooncake_vllm.p2p.protocol import (
+    Handoff,
+    HandoffError,
+    PendingHandoff,
+    is_transfer_id,
+    parse_handoff,
+    parse_pending,
+    validate_handoff,
+)
 from mooncake_vllm.p2p.stats import MooncakeStats
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.vllm_glue import IDLE_STEP_PAUSE_S, EngineCoreHandle, Probe
@@ -106,7 +114,13 @@ class SchedulerHalf:
         self._shared: OrderedDict[str, SharedPull] = OrderedDict()
         self._pulling: dict[str, str] = {}  # puller's req id -> its transfer id, until settled
         self._following: set[str] = set()  # requests told to ask again (a pull is in flight)
+        # Requests whose pull waits for its prefill (a pending handoff), until settled; those
+        # vLLM finished meanwhile, for the next step's metadata.
+        self._pending_loads: set[str] = set()
+        self._cancelled: set[str] = set()
         self._remember_ids = remember_ids
+        # Producer: the transfer ids it has used (bounded), never taken again from a client.
+        self._issued: OrderedDict[str, None] = OrderedDict()
 
     # ---- consumer ------------------------------------------------------------------------
 
@@ -163,13 +177,17 @@ class SchedulerHalf:
             )
         if error is not None:
             logger.warning("request %s: handoff rejected: %s", req_id, error)
+        pending = isinstance(handoff, PendingHandoff)
+        if pending and error is None:
+            self._pending_loads.add(req_id)
         self._loads[req_id] = LoadSpec(
             req_id,
             handoff,
-            handoff.remote_block_ids if handoff else [],
+            handoff.remote_block_ids if handoff and not pending else [],
             local_block_ids,
             error,
             first_token=cached * self._block_size,
+            checks=self._checks(request) if pending else {},
         )
         if self._pins is not None:
             self._pins.pin(req_id, local_block_ids)
@@ -189,6 +207,7 @@ class SchedulerHalf:
             self._pins.settle(meta.settled)
         failed = output.failed_recving or set()
         for req_id in output.finished_recving or ():
+            self._pending_loads.discard(req_id)
             self._settle_shared(req_id, failed=req_id in failed)
 
     def _settle_shared(self, req_id: str, failed: bool) -> None:
@@ -197,10 +216,25 @@ class SchedulerHalf:
         if transfer_id is not None and (shared := self._shared.get(transfer_id)) is not None:
             shared.state = "failed" if failed else "done"
 
-    def _check(self, request: Request, params: dict[str, Any]) -> tuple[Handoff | None, str | None]:
-        """The handoff (None when it must not be acted on) and the rejection reason, if any."""
+    def _checks(self, request: Request) -> dict[str, Any]:
+        """``validate_handoff``'s arguments for ``request`` on this consumer."""
+        return {
+            "prompt_len": request.num_prompt_tokens,
+            "compat_hash": self._compat_hash,
+            "kv_heads": self._kv_heads,
+            "tp_size": self._cfg.tp_size,
+            "block_size": self._block_size,
+            "kv_layout": self._kv_layout,
+            "reblock_format": self._reblock_format,
+        }
+
+    def _check(
+        self, request: Request, params: dict[str, Any]
+    ) -> tuple[Handoff | PendingHandoff | None, str | None]:
+        """The handoff (None when it must not be acted on) and the rejection reason, if any. A
+        pending handoff is checked by the worker, once its grant has brought the rest."""
         try:
-            handoff = parse_handoff(params)
+            handoff = parse_pending(params) if params.get("pending") else parse_handoff(params)
         except HandoffError as e:
             return None, str(e)
         trusted = self._cfg.settings.trusted_producers
@@ -221,6 +255,8 @@ class SchedulerHalf:
         self._pulling[request.request_id] = handoff.transfer_id
         while len(self._shared) > self._remember_ids:
             self._shared.popitem(last=False)
+        if isinstance(handoff, PendingHandoff):
+            return handoff, None
         try:
             validate_handoff(
                 handoff,
@@ -242,6 +278,9 @@ class SchedulerHalf:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._following.discard(request.request_id)  # a follower aborted while it waited
+        if request.request_id in self._pending_loads:  # aborted while its prefill computes
+            self._pending_loads.discard(request.request_id)
+            self._cancelled.add(request.request_id)
         params = request.kv_transfer_params
         if not (self._cfg.is_producer and params and params.get("do_remote_decode")):
             return False, None
@@ -257,13 +296,8 @@ class SchedulerHalf:
                 prompt_len,
             )
             return False, None
-        # Ours, never the client's: 128 random bits, so nobody can guess (or collide with) the
-        # id that names this lease on the side channel.
-        transfer_id = secrets.token_hex(16)
+        transfer_id = self._new_transfer_id(params.get("transfer_id"))
         prompt_block_ids = list(block_ids[:num_blocks])
-        # Held before the handoff leaves this process: an acquire never waits for a step.
-        if not self._leases.hold(request.request_id, transfer_id, prompt_block_ids):
-            return False, None
         handoff = Handoff(
             transfer_id=transfer_id,
             producer_engine_id=self._cfg.engine_id,
@@ -278,7 +312,24 @@ class SchedulerHalf:
             kv_format=self._kv_format,
             producer_incarnation=self._leases.incarnation,
         )
+        # Held before the handoff leaves this process: an acquire never waits for a step (and a
+        # pending one, sent with the prefill leg, is answered by this hold).
+        if not self._leases.hold(request.request_id, transfer_id, prompt_block_ids, handoff):
+            return False, None
         return True, handoff.to_params()
+
+    def _new_transfer_id(self, asked: object) -> str:
+        """The id that names a lease on the side channel: 128 random bits, so nobody can guess
+        (or collide with) it. The proxy's, if it chose one of that form that this producer has
+        not used (``--dispatch concurrent`` sends it to the decode too); else a new one."""
+        if is_transfer_id(asked) and asked not in self._issued:
+            transfer_id = str(asked)
+        else:
+            transfer_id = secrets.token_hex(16)
+        self._issued[transfer_id] = None
+        while len(self._issued) > self._remember_ids:
+            self._issued.popitem(last=False)
+        return transfer_id
 
     def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
         """Every worker rank's transfer-engine segment and KV layout (vLLM's handshake)."""
@@ -290,9 +341,15 @@ class SchedulerHalf:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MooncakeConnectorMetadata:
         meta = MooncakeConnectorMetadata(loads=list(self._loads.values()))
         self._loads = {}
+        meta.cancelled, self._cancelled = self._cancelled, set()
         if self._leases is not None:
             meta.finished_sending = self._leases.take_finished()
-        if meta.loads or meta.finished_sending or scheduler_output.total_num_scheduled_tokens:
+        if (
+            meta.loads
+            or meta.finished_sending
+            or meta.cancelled
+            or scheduler_output.total_num_scheduled_tokens
+        ):
             return meta
         if self._waker is None or self._engine_core is None:
             # vLLM steps back to back while a finished request's blocks are held or a request

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -55,6 +56,12 @@ _DROP_LOG_INTERVAL_S = 10.0
 _PEER_QUEUE = 64
 # A peer silent this long leaves the guard's table.
 _PEER_IDLE_S = 60.0
+# Pending acquires (``--dispatch concurrent``) parked until their lease exists: at most this many
+# per side channel, each for at most this long.
+_MAX_WAITING = 1024
+_MAX_WAIT_S = 600.0
+# How often a waiting pending acquire looks whether its request was cancelled.
+_CANCEL_CHECK_S = 0.1
 # Abuse duty cycle (``abuse_pause_s``).
 _ABUSE_MIN_FRAMES = 64
 _ABUSE_MAX_PAUSE_S = 0.01
@@ -62,6 +69,10 @@ _ABUSE_MAX_PAUSE_S = 0.01
 
 class SideChannelError(RuntimeError):
     pass
+
+
+class CallCancelled(SideChannelError):
+    """A call given up on request (its request was aborted)."""
 
 
 class PeerGuard:
@@ -138,7 +149,11 @@ class SideChannelServer:
     ``on_unknown``: called before an unknown transfer id is refused, to take in holds the engine
     core has sent but the loop has not read yet (a hold is sent before its handoff leaves).
     ``on_release``: called after a release, before the consumer hears of it.
-    ``on_grant``: called with the transfer id right before a ``Granted`` is sent."""
+    ``on_grant``: called with the transfer id right before a ``Granted`` is sent.
+
+    A pending acquire (``Acquire.wait_ms``: a pending handoff's, sent while the prefill still
+    computes) of an id not held yet is parked, bounded in number and time, and answered by
+    ``answer_waiting`` once the hold arrives, or refused at its deadline."""
 
     def __init__(
         self,
@@ -180,6 +195,8 @@ class SideChannelServer:
                 "port? Set prefill_url/decode_url ports apart"
             ) from e
         self.address = f"{host}:{port}"
+        self._waiting: dict[str, list[_Waiting]] = {}
+        self._clock = time.monotonic
 
     def serve_ready(self, max_frames: int = 256) -> tuple[int, int]:
         """Answers up to ``max_frames`` of the frames that have arrived (the loop's other duties,
@@ -213,6 +230,9 @@ class SideChannelServer:
         if isinstance(frame, Acquire):
             self._answer_acquire(identity, nonce, frame)
         elif isinstance(frame, Release):
+            if self._unpark(frame):
+                self._send(identity, nonce, Released(frame.transfer_id))
+                return
             try:
                 self._leases.release(frame.transfer_id, frame.owner, frame.ok)
             except NotOwner:
@@ -229,6 +249,9 @@ class SideChannelServer:
         )
 
     def _answer_acquire(self, identity: bytes, nonce: bytes, frame: Acquire) -> None:
+        if frame.wait_ms > 0 and not frame.remote_block_ids and not frame.incarnation:
+            self._answer_pending(_Waiting(identity, nonce, frame, self._wait_deadline(frame)))
+            return
         if frame.incarnation != self._incarnation:
             reason = (
                 f"the producer restarted: this is incarnation {self._incarnation or '-'}, the "
@@ -241,16 +264,75 @@ class SideChannelServer:
             self._on_unknown()
             got = self._acquire(frame)
         if isinstance(got, Lease):
-            segment, segments = self._layout()
-            if self._on_grant is not None:
-                self._on_grant(frame.transfer_id)
-            granted = Granted(frame.transfer_id, segment, segments, self._incarnation)
-            self._send(identity, nonce, granted)
+            self._grant(identity, nonce, frame, None)
         else:
             if got is None:
                 self.guard.drop("unknown transfer id")
             reason = got or f"unknown transfer id {short(frame.transfer_id)}"
             self._send(identity, nonce, Refused(frame.transfer_id, reason))
+
+    def _grant(self, identity: bytes, nonce: bytes, frame: Acquire, lease: Lease | None) -> None:
+        """``Granted``; to a pending acquire (``lease`` given) with the lease's handoff."""
+        segment, segments = self._layout()
+        if self._on_grant is not None:
+            self._on_grant(frame.transfer_id)
+        handoff = lease.handoff if lease is not None else None
+        granted = Granted(frame.transfer_id, segment, segments, self._incarnation, handoff)
+        self._send(identity, nonce, granted)
+
+    def _wait_deadline(self, frame: Acquire) -> float:
+        return self._clock() + min(frame.wait_ms / 1000, _MAX_WAIT_S)
+
+    def _answer_pending(self, w: _Waiting) -> None:
+        tid = w.frame.transfer_id
+        got = self._leases.acquire(tid, [], w.frame.owner, w.frame.readers, pending=True)
+        if got is None:
+            self._on_unknown()
+            got = self._leases.acquire(tid, [], w.frame.owner, w.frame.readers, pending=True)
+        if isinstance(got, Lease):
+            self._grant(w.identity, w.nonce, w.frame, got)
+        elif got is not None:
+            self._send(w.identity, w.nonce, Refused(tid, got))
+        elif sum(map(len, self._waiting.values())) >= _MAX_WAITING:
+            self.guard.drop("too many pending acquires")
+            reason = f"{_MAX_WAITING} acquires already wait for their prefills here"
+            self._send(w.identity, w.nonce, Refused(tid, reason))
+        else:
+            self._waiting.setdefault(tid, []).append(w)
+
+    def answer_waiting(self) -> None:
+        """Answers the parked pending acquires whose lease now exists (or has ended) and refuses
+        those past their deadline; called by the loop after it has read the engine core's holds."""
+        now = self._clock()
+        for tid in list(self._waiting):
+            if self._leases.is_live(tid) or self._leases.ended_reason(tid) is not None:
+                for w in self._waiting.pop(tid):
+                    self._answer_pending(w)  # a grant, or the reason it ended
+                continue
+            waiters = self._waiting[tid]
+            for w in [w for w in waiters if w.deadline_s <= now]:
+                waiters.remove(w)
+                waited = w.frame.wait_ms / 1000
+                reason = f"no prefill held transfer {short(tid)} within {waited:.1f}s"
+                self._send(w.identity, w.nonce, Refused(tid, reason))
+            if not waiters:
+                del self._waiting[tid]
+
+    def _unpark(self, frame: Release) -> bool:
+        """A release by the owner of a parked pending acquire withdraws it (its request was
+        aborted before the prefill finished)."""
+        waiters = self._waiting.get(frame.transfer_id, [])
+        for w in waiters:
+            if w.frame.owner == frame.owner:
+                waiters.remove(w)
+                if not waiters:
+                    del self._waiting[frame.transfer_id]
+                return True
+        return False
+
+    def next_deadline_s(self) -> float | None:
+        """When the first parked acquire runs out (None: none is parked)."""
+        return min((w.deadline_s for ws in self._waiting.values() for w in ws), default=None)
 
     def _send(self, identity: bytes, nonce: bytes, frame: Frame) -> None:
         sealed, _ = seal_frame(self._keys, encode_frame(frame), REPLY, nonce)
@@ -261,6 +343,16 @@ class SideChannelServer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A parked pending acquire and where its answer goes."""
+
+    identity: bytes
+    nonce: bytes
+    frame: Acquire
+    deadline_s: float
 
 
 class SideChannelClient:
@@ -300,7 +392,16 @@ class SideChannelClient:
             else:
                 self._idle.setdefault(address, []).append(sock)
 
-    def call(self, address: str, frame: Acquire | Release, timeout_s: float) -> Frame:
+    def call(
+        self,
+        address: str,
+        frame: Acquire | Release,
+        timeout_s: float,
+        cancelled: threading.Event | None = None,
+    ) -> Frame:
+        """The reply to ``frame``. ``cancelled``: checked every ``_CANCEL_CHECK_S`` while
+        waiting (a pending acquire waits for a prefill: its request may be aborted meanwhile);
+        raises ``CallCancelled`` once set."""
         sock = self._checkout(address)
         try:
             with latency_critical_section():
@@ -308,8 +409,13 @@ class SideChannelClient:
                 sock.send(sealed)
                 deadline = time.monotonic() + timeout_s
                 while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+                    if cancelled is not None:
+                        if cancelled.is_set():
+                            self._late[sock].append(nonce)
+                            raise CallCancelled(f"call to {address} cancelled")
+                        left_ms = min(left_ms, int(_CANCEL_CHECK_S * 1000))
                     if not sock.poll(left_ms):
-                        break
+                        continue
                     reply = self._open(address, sock, sock.recv(), nonce)
                     if getattr(reply, "transfer_id", None) == frame.transfer_id:
                         return reply

@@ -22,6 +22,7 @@ _COUNTERS = (
     "expired",
     "evicted",
     "refused",
+    "cancelled",
     "retries",
     "stalls",
     "rejected_frames",
@@ -94,6 +95,10 @@ class MooncakePromMetrics(ConnectorPromMetrics):
                 ("expired", "producer leases ended by TTL"),
                 ("evicted", "producer leases evicted over kv_buffer_size"),
                 ("refused", "pulls the producer refused (unknown, ended or foreign blocks)"),
+                (
+                    "cancelled",
+                    "pending pulls withdrawn: their request ended while its prefill computed",
+                ),
                 ("retries", "transfer-engine entries read again after a failed attempt"),
                 ("stalls", "entry attempts the engine dropped for making no progress"),
                 (

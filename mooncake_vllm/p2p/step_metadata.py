@@ -4,10 +4,11 @@ and workers → scheduler (``core.loads.MooncakeWorkerMeta``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from mooncake_vllm.p2p.protocol import Handoff
+from mooncake_vllm.p2p.protocol import Handoff, PendingHandoff
 
 
 @dataclass(frozen=True)
@@ -19,14 +20,19 @@ class LoadSpec:
     ``error`` set: the handoff was rejected by the scheduler; the worker reports the load as
     failed so vLLM's ``kv_load_failure_policy`` decides. ``local_block_ids`` empty with no error:
     the local prefix cache already holds everything; only release the producer's lease.
+
+    A ``PendingHandoff`` (``--dispatch concurrent``): the producer's blocks are not known yet;
+    the worker's acquire waits for the prefill, and the handoff its grant carries is checked
+    with ``checks`` (``protocol.validate_handoff``'s arguments) before a byte moves.
     """
 
     req_id: str
-    handoff: Handoff | None
+    handoff: Handoff | PendingHandoff | None
     remote_block_ids: list[int]
     local_block_ids: list[int]
     error: str | None = None
     first_token: int = 0
+    checks: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -35,3 +41,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     # Producer: requests whose leases ended on every rank; workers report them finished-sending
     # (which frees their blocks) in this same step.
     finished_sending: set[str] = field(default_factory=set)
+    # Consumer: requests vLLM finished (aborted) while their pending pull waits for its prefill:
+    # the workers withdraw the wait, so the load settles and the blocks are freed.
+    cancelled: set[str] = field(default_factory=set)

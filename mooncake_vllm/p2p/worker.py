@@ -72,11 +72,14 @@ from mooncake_vllm.p2p.protocol import (
     Acquire,
     Granted,
     Handoff,
+    HandoffError,
     MemSegment,
+    PendingHandoff,
     Refused,
     Release,
+    validate_handoff,
 )
-from mooncake_vllm.p2p.side_channel import SideChannelClient, SideChannelError
+from mooncake_vllm.p2p.side_channel import CallCancelled, SideChannelClient, SideChannelError
 from mooncake_vllm.p2p.stats import MooncakeStats
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.transfer.engine import TransferAgent
@@ -109,6 +112,7 @@ class PullOutcome(LoadOutcome):
     acquire_s: float = 0.0  # side-channel round trip, producer wait included
     read_s: float = 0.0  # transfer-engine read
     refused: bool = False
+    cancelled: bool = False  # a pending pull withdrawn: its request ended first
     retries: int = 0
     stalls: int = 0
 
@@ -188,6 +192,8 @@ class WorkerHalf:
         self._bytes_per_block = 0
         self._claim: zmq.Socket | None = None
         self._finished_sending: set[str] = set()  # from the scheduler's metadata, this step
+        # Pending pulls (waiting for their prefill), set when vLLM finished their request.
+        self._cancels: dict[str, threading.Event] = {}
         self._client: SideChannelClient | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pulls: LoadJobs[PullOutcome] | None = None
@@ -339,6 +345,8 @@ class WorkerHalf:
         self._finished_sending |= meta.finished_sending
         for load in meta.loads:
             assert self._pulls is not None, "loads are only planned on a consumer"
+            if isinstance(load.handoff, PendingHandoff):
+                self._cancels[load.req_id] = threading.Event()
             # vLLM waits for no outcome of a load without blocks: its lease is only released.
             self._pulls.submit(
                 load.req_id,
@@ -346,6 +354,9 @@ class WorkerHalf:
                 self._cfg.settings.load_timeout_s,
                 awaited=bool(load.local_block_ids),
             )
+        for req_id in meta.cancelled:  # after the loads: one may end in the step it began
+            if (event := self._cancels.get(req_id)) is not None:
+                event.set()
 
     def _overdue(self, job: LoadJob[PullOutcome]) -> PullOutcome:
         stage = "acquire or first handshake" if job.abandon() else "read"
@@ -374,6 +385,9 @@ class WorkerHalf:
                     )
                     stats.count("retries", outcome.retries)
                     stats.count("stalls", outcome.stalls)
+                elif outcome.cancelled:  # vLLM finished the request: no outcome is awaited
+                    logger.info("request %s: KV pull withdrawn: %s", req_id, outcome.reason)
+                    stats.count("cancelled")
                 else:
                     logger.warning("request %s: KV pull failed: %s", req_id, outcome.reason)
                     results.failed_recving.add(req_id)
@@ -394,11 +408,17 @@ class WorkerHalf:
     # ---- the pull ------------------------------------------------------------------------
 
     def _pull(self, load: LoadSpec, job: LoadJob[PullOutcome]) -> PullOutcome:
+        try:
+            return self._pull_once(load, job)
+        finally:
+            self._cancels.pop(load.req_id, None)
+
+    def _pull_once(self, load: LoadSpec, job: LoadJob[PullOutcome]) -> PullOutcome:
         start, deadline = time.monotonic(), job.deadline_s
         h = load.handoff
         if not load.local_block_ids:  # vLLM does not wait on this one: just free the lease
             if h is not None:
-                self._give_back(h, load.error is None)
+                self._give_back(h, load.error is None, deadline - start)
             return PullOutcome(load.req_id, ok=True)
         # Acquired leases, by producer side channel, with the owner token that releases each.
         acquired: dict[str, bytes] = {}
@@ -410,19 +430,27 @@ class WorkerHalf:
                 raise PullFailed(load.error)
             assert h is not None and self._engine is not None
             out = _Totals()
-            pull = _Pull(load, h, job, out)
             for rank, (heads, readers) in self._sources(h).items():
                 address = self._producer_address(h, rank)
                 # Only the holder of this token can release the lease this acquire pins.
                 owner = secrets.token_bytes(OWNER_BYTES)
                 asked_at = time.monotonic()
-                reply = self._acquire(address, h, owner, readers, deadline - time.monotonic())
+                if isinstance(h, PendingHandoff):  # waits for the prefill; not the pull's time
+                    reply = self._acquire_pending(
+                        address, h, owner, readers, deadline, load.req_id, acquired
+                    )
+                    start = time.monotonic()
+                else:
+                    reply = self._acquire(address, h, owner, readers, deadline - time.monotonic())
+                    out.acquire_s += time.monotonic() - asked_at
                 if isinstance(reply, Refused):
                     return PullOutcome(load.req_id, ok=False, reason=reply.reason, refused=True)
                 acquired[address] = owner
-                out.acquire_s += time.monotonic() - asked_at
+                if isinstance(h, PendingHandoff):
+                    h = self._granted_handoff(h, reply, load)
+                    load = dataclasses.replace(load, handoff=h, remote_block_ids=h.remote_block_ids)
                 if heads:
-                    self._read(pull, rank, heads, reply)
+                    self._read(_Pull(load, h, job, out), rank, heads, reply)
             succeeded = True
             logger.debug(
                 "request %s: pulled %d blocks (%d B, %d entries) from %d producer rank(s): "
@@ -442,6 +470,8 @@ class WorkerHalf:
                 duration_s=time.monotonic() - start,
                 **dataclasses.asdict(out),
             )
+        except CallCancelled as e:
+            return PullOutcome(load.req_id, ok=False, reason=str(e), cancelled=True)
         except Exception as e:
             return PullOutcome(load.req_id, ok=False, reason=f"{type(e).__name__}: {e}")
         finally:
@@ -605,9 +635,58 @@ class WorkerHalf:
             raise PullFailed(f"unexpected reply {type(reply).__name__}")
         return reply
 
-    def _give_back(self, h: Handoff, ok: bool) -> None:
+    def _acquire_pending(
+        self,
+        address: str,
+        h: PendingHandoff,
+        owner: bytes,
+        readers: int,
+        deadline: float,
+        req_id: str,
+        acquired: dict[str, bytes],
+    ) -> Granted | Refused:
+        """A pending handoff's acquire: the producer answers it once the prefill's lease exists.
+        A wait given up (its request was aborted, or no answer by the deadline) still leaves it
+        with the producer: ``acquired`` gets it, so the pull's release withdraws it (or ends the
+        lease, if it was granted meanwhile)."""
+        wait_s = max(0.1, deadline - time.monotonic())
+        frame = Acquire(h.transfer_id, [], owner, readers, "", wait_ms=int(wait_s * 1000))
+        try:
+            reply = self._client.call(
+                address, frame, timeout_s=wait_s, cancelled=self._cancels.get(req_id)
+            )
+        except SideChannelError:
+            acquired[address] = owner
+            raise
+        if not isinstance(reply, Granted | Refused):
+            raise PullFailed(f"unexpected reply {type(reply).__name__}")
+        return reply
+
+    def _granted_handoff(self, pending: PendingHandoff, reply: Granted, load: LoadSpec) -> Handoff:
+        """The handoff a pending acquire was granted with, checked as the scheduler checks a
+        handoff that comes with the request (``protocol.validate_handoff``)."""
+        h = reply.handoff
+        if h is None or h.transfer_id != pending.transfer_id:
+            raise PullFailed("the producer granted a pending acquire without its handoff")
+        if (h.producer_engine_id, h.producer_tp_size) != (
+            pending.producer_engine_id,
+            pending.producer_tp_size,
+        ):
+            raise PullFailed(
+                f"the pending handoff named producer {pending.producer_engine_id!r} (TP "
+                f"{pending.producer_tp_size}); {h.producer_engine_id!r} (TP "
+                f"{h.producer_tp_size}) holds the transfer"
+            )
+        try:
+            validate_handoff(h, **load.checks)
+        except HandoffError as e:
+            raise PullFailed(f"handoff rejected: {e}") from e
+        return h
+
+    def _give_back(self, h: Handoff | PendingHandoff, ok: bool, wait_s: float = 0.0) -> None:
         """Ends the leases of a handoff this consumer will not read (its prompt is cached here,
-        or the handoff was rejected): acquire, then release, since only an owner may release."""
+        or the handoff was rejected): acquire, then release, since only an owner may release. A
+        pending handoff's acquire waits up to ``wait_s`` for its prefill."""
         try:
             sources = self._sources(h)
         except Exception as e:  # a layout we cannot serve: the lease TTL frees the blocks
@@ -617,7 +696,12 @@ class WorkerHalf:
             owner = secrets.token_bytes(OWNER_BYTES)
             try:
                 address = self._producer_address(h, rank)
-                reply = self._acquire(address, h, owner, source.readers, _RELEASE_TIMEOUT_S)
+                if isinstance(h, PendingHandoff):
+                    wait_ms = int(max(0.1, wait_s) * 1000)
+                    frame = Acquire(h.transfer_id, [], owner, source.readers, "", wait_ms=wait_ms)
+                    reply = self._client.call(address, frame, timeout_s=max(0.1, wait_s))
+                else:
+                    reply = self._acquire(address, h, owner, source.readers, _RELEASE_TIMEOUT_S)
                 if isinstance(reply, Granted):
                     self._release(address, h.transfer_id, owner, ok)
             except Exception as e:  # the producer's lease TTL frees the blocks anyway

@@ -46,6 +46,7 @@ from mooncake_vllm.p2p.leases.process import (
     encode,
     report_decoder,
 )
+from mooncake_vllm.p2p.protocol import Handoff
 from mooncake_vllm.p2p.side_channel import SideChannelError
 
 __all__ = ["LeaseService", "RankLayout"]
@@ -140,9 +141,12 @@ class LeaseService:
         self._layouts = dict(layouts)
         self._send(Layouts([layouts[r] for r in range(self._tp_size)]))
 
-    def hold(self, req_id: str, transfer_id: str, block_ids: list[int]) -> bool:
-        """Opens the lease on every rank; False (nothing held) if the lease server is gone, since
-        no consumer could pull it."""
+    def hold(
+        self, req_id: str, transfer_id: str, block_ids: list[int], handoff: Handoff | None = None
+    ) -> bool:
+        """Opens the lease on every rank (``handoff``: what a pending acquire of it is granted
+        with); False (nothing held) if the lease server is gone, since no consumer could pull
+        it."""
         n = len(block_ids)
         per_rank = [n * self._layouts[r].bytes_per_block for r in range(self._tp_size)]
         hold = Hold(
@@ -151,6 +155,7 @@ class LeaseService:
             block_ids,
             table_bytes=per_rank[: self._tables],
             max_readers=self._max_readers,
+            handoff=handoff,
         )
         if not (self._alive() and self._send(hold)):
             return False

@@ -42,7 +42,7 @@ from mooncake_vllm.core.os_threads import (
 )
 from mooncake_vllm.p2p.leases.table import LeaseTable
 from mooncake_vllm.p2p.local_channels import WakeSender
-from mooncake_vllm.p2p.protocol import MemSegment
+from mooncake_vllm.p2p.protocol import Handoff, MemSegment
 from mooncake_vllm.p2p.side_channel import (
     PeerGuard,
     SideChannelError,
@@ -106,6 +106,7 @@ class Hold(msgspec.Struct, tag="hold", frozen=True):
     block_ids: list[int]
     table_bytes: list[int]  # the lease's bytes in table t
     max_readers: int = 1  # consumer ranks that may share the lease
+    handoff: Handoff | None = None  # what a pending acquire of it is granted with
 
 
 class Stop(msgspec.Struct, tag="stop", frozen=True):
@@ -191,6 +192,8 @@ class LeaseServer:
                 try:
                     poller.poll(self._poll_timeout_ms())
                     self._read_commands()  # first: a hold precedes its handoff's acquire
+                    for srv in self._servers:  # pending acquires whose hold has come
+                        srv.answer_waiting()
                     t0, frames, dropped = time.monotonic(), 0, 0
                     for srv in self._servers:
                         f, d = srv.serve_ready()
@@ -198,6 +201,8 @@ class LeaseServer:
                     pause_s = abuse_pause_s(frames, dropped, time.monotonic() - t0)
                     for table in self._tables:
                         table.expire()
+                    for srv in self._servers:  # ... and those past their deadline
+                        srv.answer_waiting()
                     self._report()
                     self._report_dropped()
                     if errors:
@@ -216,6 +221,7 @@ class LeaseServer:
 
     def _poll_timeout_ms(self) -> int | None:
         deadlines = [d for t in self._tables if (d := t.next_deadline_s()) is not None]
+        deadlines += [d for srv in self._servers if (d := srv.next_deadline_s()) is not None]
         if any(srv.guard.dropped for srv in self._servers):  # a report is due even if all is quiet
             deadlines.append(self._dropped_at + _DROP_REPORT_INTERVAL_S)
         if self._unlogged:
@@ -232,7 +238,12 @@ class LeaseServer:
                 if isinstance(cmd, Hold):
                     for table, nbytes in zip(self._tables, cmd.table_bytes, strict=True):
                         table.add(
-                            cmd.req_id, cmd.transfer_id, cmd.block_ids, nbytes, cmd.max_readers
+                            cmd.req_id,
+                            cmd.transfer_id,
+                            cmd.block_ids,
+                            nbytes,
+                            cmd.max_readers,
+                            cmd.handoff,
                         )
                 elif isinstance(cmd, Layouts):
                     self._layouts = list(cmd.ranks)

@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mooncake_vllm.core.auth import short_id
 
@@ -56,6 +57,7 @@ class Lease:
     owners: set[bytes] = field(default_factory=set)  # owner tokens of its acquires
     released_by: set[bytes] = field(default_factory=set)
     failed: bool = False  # a reader released it with its pull failed
+    handoff: Any = None  # the handoff it backs (``protocol.Handoff``), for pending acquires
 
     @property
     def acquired(self) -> int:
@@ -87,7 +89,13 @@ class LeaseTable:
         self.ended_counts: dict[str, int] = {}
 
     def add(
-        self, req_id: str, transfer_id: str, block_ids: list[int], nbytes: int, max_readers: int = 1
+        self,
+        req_id: str,
+        transfer_id: str,
+        block_ids: list[int],
+        nbytes: int,
+        max_readers: int = 1,
+        handoff: Any = None,
     ) -> None:
         with self._lock:
             old = self._live.get(transfer_id)
@@ -100,19 +108,30 @@ class LeaseTable:
                 nbytes,
                 self._clock() + self._ttl_s,
                 max_readers=max_readers,
+                handoff=handoff,
             )
             self._enforce_budget()
 
     def acquire(
-        self, transfer_id: str, block_ids: list[int], owner: bytes, readers: int = 1
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        owner: bytes,
+        readers: int = 1,
+        *,
+        pending: bool = False,
     ) -> Lease | str | None:
-        """The lease, now PULLING; or a refusal reason; or None if the id is unknown."""
+        """The lease, now PULLING; or a refusal reason; or None if the id is unknown. A
+        ``pending`` acquire (a pending handoff's: the consumer knows the id, not the blocks)
+        names no blocks."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
                 reason = self._ended.get(transfer_id)
                 return f"transfer {short_id(transfer_id)} already {reason}" if reason else None
-            if list(block_ids) != lease.block_ids:
+            if pending and lease.handoff is None:
+                return f"transfer {short_id(transfer_id)} cannot be acquired pending"
+            if not pending and list(block_ids) != lease.block_ids:
                 return f"transfer {short_id(transfer_id)}: the blocks are not the lease's"
             if not 1 <= readers <= lease.max_readers:
                 return f"readers={readers} outside 1..{lease.max_readers}"
@@ -150,6 +169,14 @@ class LeaseTable:
         with self._lock:
             for lease in [x for x in self._live.values() if x.deadline_s <= now]:
                 self._end(lease, "expired")
+
+    def is_live(self, transfer_id: str) -> bool:
+        with self._lock:
+            return transfer_id in self._live
+
+    def ended_reason(self, transfer_id: str) -> str | None:
+        with self._lock:
+            return self._ended.get(transfer_id)
 
     def next_deadline_s(self) -> float | None:
         """When the earliest live lease expires (None if none is live)."""
