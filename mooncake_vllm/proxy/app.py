@@ -39,7 +39,7 @@ from typing import Any
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from mooncake_vllm.proxy import fanout, legs, prompt_list, rewrite
+from mooncake_vllm.proxy import concurrent, fanout, legs, prompt_list, rewrite
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.discovery import RegistryFollower
 from mooncake_vllm.proxy.errors import ProxyError
@@ -82,9 +82,19 @@ async def generate(
     else:
         if backends.cfg.mode != "pool" and (prompts := prompt_list.prompts_to_split(body)):
             return await fanout.generate_each_prompt(backends, ctx, body, prompts)
+        if backends.cfg.dispatch == "concurrent":
+            return await respond(
+                backends, ctx, body, await concurrent.open_both(backends, ctx, body, raw)
+            )
         handoff = (await legs.prefill(backends, ctx, body)).kv_transfer_params
     decode_body = rewrite.decode_body_bytes(raw, body, handoff)
-    leg = await legs.open_decode_ok(backends, ctx, decode_body)
+    return await respond(backends, ctx, body, await legs.open_decode_ok(backends, ctx, decode_body))
+
+
+async def respond(
+    backends: Backends, ctx: RequestContext, body: dict[str, Any], leg: legs.OpenDecode
+) -> Response:
+    """The client's answer from an open decode leg: read whole, or streamed."""
     if not rewrite.wants_stream(body):
         raw = await legs.read_decode(backends, leg)
         backends.metrics.first_decode_byte_seconds.observe(time.monotonic() - ctx.started_s)

@@ -64,6 +64,9 @@ class ProxyConfig(BaseModel):
     # pool: nothing is handed over; the decode finds the prompt in the pool by its tokens
     # (MooncakeStoreConnector), as behind Mooncake guide's minimal proxy.
     mode: Literal["p2p", "pool"] = "p2p"
+    # sequential: the decode request goes out once the prefill has answered. concurrent: both
+    # at once; the decode waits for the KV without stepping (``proxy.concurrent``). p2p only.
+    dispatch: Literal["sequential", "concurrent"] = "sequential"
     # The clients' API key: the key itself (shows in process arguments), a file (one key per
     # line: any of them is accepted) or the name of an environment variable; at most one.
     api_key: str | None = None
@@ -151,6 +154,15 @@ class ProxyConfig(BaseModel):
     def api_keys(self) -> tuple[str, ...]:
         """The keys clients may send (``()``: none asked for)."""
         return load_api_keys(self.api_key, self.api_key_file, self.api_key_env)
+
+    @model_validator(mode="after")
+    def _check_dispatch(self) -> ProxyConfig:
+        if self.dispatch == "concurrent" and self.mode == "pool":
+            raise ValueError(
+                "--dispatch concurrent needs --mode p2p: in pool mode the decode finds the "
+                "prompt in the pool only after the prefill has put it there"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_limits(self) -> ProxyConfig:

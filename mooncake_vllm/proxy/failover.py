@@ -30,6 +30,7 @@ from mooncake_vllm.proxy.errors import (
 )
 from mooncake_vllm.proxy.limits import ClientSlot
 from mooncake_vllm.proxy.metrics import ProxyMetrics
+from mooncake_vllm.proxy.producers import Producers
 from mooncake_vllm.proxy.routing import Backend, BackendPool, Backoff, NoHealthyBackend
 
 logger = logging.getLogger("mooncake_vllm.proxy")
@@ -125,6 +126,8 @@ class Backends:
         for role, pool in self.pools.items():
             metrics.declare_backends(role, [b.url for b in pool.backends])
         self._session: aiohttp.ClientSession | None = None
+        # Where each prefill's side channel is (--dispatch concurrent).
+        self.producers = Producers()
         # The calls waiting for each backend's answer, and those ``abandon`` cancelled.
         self._waiting: dict[Backend, set[asyncio.Task]] = {}
         self._abandoned: set[asyncio.Task] = set()
@@ -269,12 +272,20 @@ class Backends:
         raise ProxyError.of(502, last.message, "backend_error")
 
     async def read_whole(
-        self, role: str, ctx: RequestContext, method: str, data: bytes | None = None
+        self,
+        role: str,
+        ctx: RequestContext,
+        method: str,
+        data: bytes | None = None,
+        before_send: Callable[[Backend], object] | None = None,
     ) -> Attempt[Reply]:
         """One short, repeatable call to ``ctx.path`` on the ``role`` pool, read whole; ``data``:
-        a JSON body (a generation: a draining backend's refusal of it is retried elsewhere)."""
+        a JSON body (a generation: a draining backend's refusal of it is retried elsewhere).
+        ``before_send``: told each backend tried, before the call goes to it."""
 
         async def send(backend: Backend, deadline: LegDeadline) -> Reply:
+            if before_send is not None:
+                before_send(backend)
             sent_s = time.monotonic()
             async with self.session.request(
                 method,

@@ -57,10 +57,10 @@ async def prefill(backends: Backends, ctx: RequestContext, body: dict[str, Any])
     backend, reply = attempt.backend, attempt.answer
     backends.metrics.prefill_seconds.labels(backend.url).observe(reply.took_s)
     logger.info("%s prefill %s -> %d", ctx.request_id, backend.url, reply.status)
-    return _prefill_outcome(backends, ctx, attempt)
+    return prefill_outcome(backends, ctx, attempt)
 
 
-def _prefill_outcome(
+def prefill_outcome(
     backends: Backends, ctx: RequestContext, attempt: Attempt[Reply]
 ) -> PrefillOutcome:
     metrics, backend, reply = backends.metrics, attempt.backend, attempt.answer

@@ -73,6 +73,16 @@ class ProxyMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.dispatched = Counter(
+            "mooncake_proxy_dispatched",
+            "Decode legs under --dispatch concurrent, by how they were sent: concurrent (with "
+            "the prefill leg), sequential (the prefill's side channel was not known yet), "
+            "resent (the prefill handed over from another producer than the one awaited).",
+            ["how"],
+            registry=self.registry,
+        )
+        for how in ("concurrent", "sequential", "resent"):
+            self.dispatched.labels(how)
         for reason in ("concurrency", "rate"):
             self.client_limited.labels(reason)
         for reason in ("unsigned", "bad_signature", "invalid"):

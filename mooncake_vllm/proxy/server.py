@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         "nothing, the decode gets the prompt from the pool (MooncakeStoreConnector) (%(default)s)",
     )
     p.add_argument(
+        "--dispatch",
+        choices=["sequential", "concurrent"],
+        default=defaults["dispatch"].default,
+        help="sequential: the decode request goes out once the prefill has answered; "
+        "concurrent: both at once, the decode waits for the KV (p2p mode) (%(default)s)",
+    )
+    p.add_argument(
         "--timeout-s",
         type=float,
         default=defaults["timeout_s"].default,
