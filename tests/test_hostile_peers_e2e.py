@@ -105,13 +105,14 @@ async def rejected_reaches(http, pd, at_least: float, timeout_s: float = 20.0) -
 
 async def handoff(http, pd, prompt) -> dict:
     """A finished prefill's handoff, as the proxy would get it."""
-    sent_id = secrets.token_hex(16)
+    sent_id = f"client-{secrets.token_hex(8)}"
     params = {"do_remote_decode": True, "transfer_id": sent_id}
     head = await complete(
         http, pd.prefill, body(pd.model, prompt, max_tokens=1, kv_transfer_params=params)
     )
     h = head.kv_transfer_params
-    # The producer's own id: 128 random bits, never the client's, the engine's or the request's.
+    # 128 random bits: a client's id only in that form and never twice (the proxy's, which
+    # --dispatch concurrent gives the decode too), else the producer's own.
     assert re.fullmatch(r"[0-9a-f]{32}", h["transfer_id"]) and h["transfer_id"] != sent_id, h
     return h
 

@@ -89,6 +89,7 @@ from mooncake_vllm.transfer.stores import P2P_HANDSHAKE
 logger = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 2.0
+_PENDING_MARGIN_S = 0.5  # a pending acquire's wait at the producer ends this much earlier
 _PULL_THREADS = 8  # pulls mostly sleep (side channel, status polls); a stuck one must not queue
 _PULL_NICE = -10  # where real-time priority is not allowed (os_threads)
 
@@ -650,7 +651,9 @@ class WorkerHalf:
         with the producer: ``acquired`` gets it, so the pull's release withdraws it (or ends the
         lease, if it was granted meanwhile)."""
         wait_s = max(0.1, deadline - time.monotonic())
-        frame = Acquire(h.transfer_id, [], owner, readers, "", wait_ms=int(wait_s * 1000))
+        # The producer refuses it a little before this side gives up, so the reason arrives.
+        wait_ms = int(max(0.1, wait_s - _PENDING_MARGIN_S) * 1000)
+        frame = Acquire(h.transfer_id, [], owner, readers, "", wait_ms=wait_ms)
         try:
             reply = self._client.call(
                 address, frame, timeout_s=wait_s, cancelled=self._cancels.get(req_id)
