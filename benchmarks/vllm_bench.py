@@ -15,7 +15,9 @@ Setups of the tiny local model on this machine, every server started with ``vllm
   front of them, each engine bound by vLLM's default (``auto``: every core, so both bind the same
   ones);
 - ``pair-placed``: the same pair with each engine on its own cores (``harness.placement``: on two
-  cores, prefill on core 0 and decode on core 1).
+  cores, prefill on core 0 and decode on core 1);
+- ``pair-concurrent``: ``pair-placed`` with the proxy's ``--dispatch concurrent`` (the decode
+  request leaves with the prefill request).
 
 For each dataset, input length and concurrency, vLLM's client runs against each setup, one
 after the other (a pause between, so the idle servers' post-request busy-wait is over). The
@@ -38,6 +40,7 @@ server logs beside the samples file (``artifacts/vllm_bench/`` for a run into
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -55,7 +58,8 @@ from harness.tiny_model import build_tiny_model
 from harness.xpyd import start_proxy
 
 NAME = "vllm_bench"
-SETUPS = ("plain", "pair", "pair-placed")
+SETUPS = ("plain", "pair", "pair-placed", "pair-concurrent")
+ENGINES = {"pair": "auto", "pair-placed": "placed", "pair-concurrent": "placed"}
 HOST = "127.0.0.1"
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 QUIET_S = 2.0  # a vLLM worker busy-waits ~1 s after its last step: let it end between runs
@@ -117,7 +121,7 @@ def dataset_args(name: str, args, input_len: int) -> list[str]:
 
 
 def client_argv(
-    model: str, base_url: str, dataset: str, args, cell: tuple[int, int], result: Path
+    model: str, base_url: str, dataset: str, args, cell: tuple[int, int], result: Path, seed: int
 ) -> list[str]:
     input_len, concurrency = cell
     return [
@@ -127,7 +131,7 @@ def client_argv(
         *dataset_args(dataset, args, input_len),
         "--num-prompts", str(num_prompts(args, concurrency)),
         "--max-concurrency", str(concurrency),
-        "--ignore-eos", "--temperature", "0", "--seed", "0", "--num-warmups", "8",
+        "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--num-warmups", "8",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
         "--disable-tqdm",
         "--save-result", "--save-detailed",
@@ -213,26 +217,29 @@ def start_servers(model: str, workdir: Path, log_dir: Path, setups: list[str]):
     specs: list[ServerSpec] = []
     if "plain" in setups:
         specs.append(ServerSpec("plain", HOST, env=everything, cli=True))
-    for setup in setups:
-        if setup == "plain":
-            continue
+    # Engines by placement: "auto" (vLLM's default) for pair, "placed" for the other two, which
+    # share one pair of engines (each with its own proxy).
+    placements = {ENGINES[x] for x in setups if x != "plain"}
+    for engines in sorted(placements):
         cfg = mooncake_json(
-            workdir / f"mooncake-{setup}.json",
+            workdir / f"mooncake-{engines}.json",
             prefill_url=f"{HOST}:{servers.free_port(HOST)}",
             decode_url=f"{HOST}:{servers.free_port(HOST)}",
         )
         env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
-        if setup == "pair-placed":
+        if engines == "placed":
             binds = [placement.bind_env(c) for c in placement.split_cores(2)]
         else:  # vLLM's default, as a user who sets nothing gets it
             binds = [{"VLLM_CPU_OMP_THREADS_BIND": "auto", **_threads(everything)}] * 2
         roles = (("prefill", "kv_producer"), ("decode", "kv_consumer"))
         for (role, kind), bind in zip(roles, binds, strict=True):
             spec_env = {**env, **bind}
-            specs.append(ServerSpec(f"{role}-{setup}", HOST, kv_args(kind), spec_env, cli=True))
+            specs.append(ServerSpec(f"{role}-{engines}", HOST, kv_args(kind), spec_env, cli=True))
     up = dict(zip([s.name for s in specs], start_many(model, specs, log_dir=log_dir), strict=True))
     return {
-        setup: up["plain"] if setup == "plain" else (up[f"prefill-{setup}"], up[f"decode-{setup}"])
+        setup: up["plain"]
+        if setup == "plain"
+        else (up[f"prefill-{ENGINES[setup]}"], up[f"decode-{ENGINES[setup]}"])
         for setup in setups
     }
 
@@ -273,19 +280,26 @@ def main(argv: list[str] | None = None) -> int:
                 commands["plain"] = _command(srv)
                 continue
             prefill, decode = srv
-            started += [prefill, decode]
-            proxy = start_proxy(["--prefill", prefill.url, "--decode", decode.url], log_dir=raw_dir)
+            started += [s for s in (prefill, decode) if s not in started]
+            dispatch = "concurrent" if setup == "pair-concurrent" else "sequential"
+            proxy = start_proxy(
+                ["--prefill", prefill.url, "--decode", decode.url, "--dispatch", dispatch],
+                log_dir=raw_dir,
+            )
             started.append(proxy)
             urls[setup] = proxy.url
             commands[setup] = " ; ".join(_command(s) for s in (prefill, decode, proxy))
         print(f"up after {time.monotonic() - t0:.0f} s", flush=True)
         cells = [(n, c) for n in args.input_len for c in args.concurrency]
+        seeds = itertools.count()
         for dataset in datasets:
             for cell in cells:
                 for setup in args.setups:
                     tag = f"{dataset}-{cell[0]}-c{cell[1]}-{setup}"
                     result = raw_dir / f"{tag}.json"
-                    argv = client_argv(model, urls[setup], dataset, args, cell, result)
+                    # Prompts of their own for every run: setups share engines (and caches).
+                    seed = next(seeds)
+                    argv = client_argv(model, urls[setup], dataset, args, cell, result, seed)
                     commands[tag] = shlex.join(argv)
                     time.sleep(QUIET_S)
                     decode = None if setup == "plain" else up[setup][1]
@@ -310,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = [
         f"every setup ran on the same {len(placement.host_cpus())} cores, one after the other",
         "plain: VLLM_CPU_OMP_THREADS_BIND of every core; pair: vLLM's default binding (auto) "
-        "for both engines; pair-placed: each engine on its own cores (harness.placement)",
+        "for both engines; pair-placed: each engine on its own cores (harness.placement); "
+        "pair-concurrent: pair-placed behind --dispatch concurrent",
         "pairs: prefill and decode both on 127.0.0.1, P2P handshake over TCP, default failure "
         "policy (fail), behind python proxy/proxy_server.py",
         "times in ms, vLLM's client's own numbers (every percentile, output throughput and "

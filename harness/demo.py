@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from harness import servers
+from harness import placement, servers
 from harness.pd import (
     DECODE_HOST,
     PREFILL_HOST,
@@ -89,17 +89,21 @@ def watch_start(logs: dict[str, Path], done: threading.Event) -> None:
 
 def start_servers(model: str, workdir: Path, log_dir: Path):
     cfg = mooncake_json(workdir / "mooncake.json")
-    env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     say(f"mooncake.json ({cfg}):\n{cfg.read_text()}")
+    # Each engine on its own cores (harness.placement): left to vLLM's default, both would bind
+    # every core of the host and fight over them.
+    cores = placement.split_cores(2)
+    envs = [{"MOONCAKE_CONFIG_PATH": str(cfg), **placement.bind_env(c)} for c in cores]
     specs = [
-        ServerSpec("prefill", PREFILL_HOST, kv_args("kv_producer"), env, cli=True),
+        ServerSpec("prefill", PREFILL_HOST, kv_args("kv_producer"), envs[0], cli=True),
         ServerSpec(
-            "decode", DECODE_HOST, kv_args("kv_consumer", kv_load_failure_policy="recompute"), env,
-            cli=True,
+            "decode", DECODE_HOST, kv_args("kv_consumer", kv_load_failure_policy="recompute"),
+            envs[1], cli=True,
         ),
     ]  # fmt: skip
     for s in specs:
-        say(f"{s.name}: MOONCAKE_CONFIG_PATH={cfg} vllm serve {model} --host {s.host} "
+        env = " ".join(f"{k}={v}" for k, v in s.env.items())
+        say(f"{s.name}: {env} vllm serve {model} --host {s.host} "
             f"{' '.join(map(_quote, s.args))}")  # fmt: skip
     say("starting prefill and decode (vLLM takes a few minutes to start on 2 cores)")
     done = threading.Event()
