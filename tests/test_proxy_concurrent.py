@@ -59,6 +59,17 @@ async def backends(start_fake):
     return prefill, decode
 
 
+async def learnt_proxy(start_proxy, client, prefill: GatedPrefill, decode: FakeVllm) -> str:  # noqa: F811
+    """A concurrent proxy after its first request, which went sequentially and taught it where
+    the prefill is; the prefill computes (holds its answers) again."""
+    proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url], dispatch="concurrent")
+    prefill.gate.set()
+    async with client.post(proxy + "/v1/completions", json=BODY) as resp:
+        assert resp.status == 200, await resp.text()
+    prefill.gate.clear()
+    return proxy
+
+
 async def in_flight(client, proxy: str, role: str, url: str) -> float | None:  # noqa: F811
     return await metric_value(
         client, proxy, f'mooncake_proxy_backend_in_flight{{backend="{url}",role="{role}"}}'
@@ -107,11 +118,7 @@ async def test_a_failed_prefill_cancels_the_waiting_decode_leg(
     client,  # noqa: F811
 ):
     prefill, decode = backends
-    proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url], dispatch="concurrent")
-    prefill.gate.set()
-    async with client.post(proxy + "/v1/completions", json=BODY) as resp:
-        assert resp.status == 200
-    prefill.gate.clear()
+    proxy = await learnt_proxy(start_proxy, client, prefill, decode)
     decode.hang = True  # it waits for the KV
     prefill.status = 500
     answer = asyncio.create_task(client.post(proxy + "/v1/completions", json=BODY))
@@ -131,11 +138,7 @@ async def test_a_decode_that_fails_first_cancels_the_prefill_leg(
     client,  # noqa: F811
 ):
     prefill, decode = backends
-    proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url], dispatch="concurrent")
-    prefill.gate.set()
-    async with client.post(proxy + "/v1/completions", json=BODY) as resp:
-        assert resp.status == 200
-    prefill.gate.clear()
+    proxy = await learnt_proxy(start_proxy, client, prefill, decode)
     decode.status = 400  # e.g. the prompt does not fit: it cannot admit the request
     async with client.post(proxy + "/v1/completions", json=BODY) as resp:
         assert resp.status == 400  # at once: the prefill is still computing
@@ -175,11 +178,7 @@ async def test_a_client_that_goes_away_cancels_both_legs(
     client,  # noqa: F811
 ):
     prefill, decode = backends
-    proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url], dispatch="concurrent")
-    prefill.gate.set()
-    async with client.post(proxy + "/v1/completions", json=BODY) as resp:
-        assert resp.status == 200
-    prefill.gate.clear()
+    proxy = await learnt_proxy(start_proxy, client, prefill, decode)
     decode.hang = True
     answer = asyncio.create_task(client.post(proxy + "/v1/completions", json=BODY))
     await eventually(lambda: _true(len(decode.generation_requests()) == 2))

@@ -681,6 +681,8 @@ def test_a_consumer_takes_a_pending_handoff_and_cancels_its_pull_when_aborted(co
         ({"transfer_id": "t-1"}, "32 lowercase hex digits"),
         ({"side_channel_ports": [1, 2]}, "2 side_channel_ports for producer_tp_size 1"),
         ({"side_channel_host": ""}, "names the producer's side channel"),
+        ({"producer_tp_size": 0, "side_channel_ports": []}, "names the producer's side channel"),
+        ({"version": 9}, "handoff version 9"),
     ],
 )
 def test_a_malformed_pending_handoff_is_rejected_through_the_policy(consumer, change, error):

@@ -84,20 +84,27 @@ def parse_pending(params: dict[str, Any]) -> PendingHandoff:
         h = msgspec.convert(params, PendingHandoff)
     except msgspec.ValidationError as e:
         raise HandoffError(f"malformed pending kv_transfer_params: {e}") from e
-    if h.version != PROTOCOL_VERSION:
-        raise HandoffError(f"handoff version {h.version}, this consumer speaks {PROTOCOL_VERSION}")
     if not is_transfer_id(h.transfer_id):
         raise HandoffError("a pending handoff's transfer_id must be 32 lowercase hex digits")
+    if not (h.side_channel_host and h.side_channel_ports):
+        raise HandoffError("a pending handoff names the producer's side channel")
+    _check_producer(h)
+    return h
+
+
+def _check_producer(h: Handoff | PendingHandoff) -> None:
+    """What every handoff must say about its producer, and in this version."""
+    if h.version != PROTOCOL_VERSION:
+        raise HandoffError(f"handoff version {h.version}, this consumer speaks {PROTOCOL_VERSION}")
     if not h.producer_engine_id:
         raise HandoffError("empty producer_engine_id")
-    if not h.side_channel_host or h.producer_tp_size < 1:
-        raise HandoffError("a pending handoff names the producer's side channel and TP size")
-    if len(h.side_channel_ports) != h.producer_tp_size:
+    if h.producer_tp_size < 1:
+        raise HandoffError(f"producer_tp_size {h.producer_tp_size} must be at least 1")
+    if h.side_channel_ports and len(h.side_channel_ports) != h.producer_tp_size:
         raise HandoffError(
             f"{len(h.side_channel_ports)} side_channel_ports for producer_tp_size "
             f"{h.producer_tp_size} (one port per producer TP rank)"
         )
-    return h
 
 
 def parse_handoff(params: dict[str, Any]) -> Handoff:
@@ -106,24 +113,14 @@ def parse_handoff(params: dict[str, Any]) -> Handoff:
         h = msgspec.convert(params, Handoff)
     except msgspec.ValidationError as e:
         raise HandoffError(f"malformed kv_transfer_params: {e}") from e
-    if h.version != PROTOCOL_VERSION:
-        raise HandoffError(f"handoff version {h.version}, this consumer speaks {PROTOCOL_VERSION}")
     if not h.transfer_id:
         raise HandoffError("empty transfer_id")
-    if not h.producer_engine_id:
-        raise HandoffError("empty producer_engine_id")
     if bool(h.side_channel_host) != bool(h.side_channel_ports):
         raise HandoffError(
             "side_channel_host and side_channel_ports go together (give both, or neither to "
             "look the producer up by producer_engine_id)"
         )
-    if h.producer_tp_size < 1:
-        raise HandoffError(f"producer_tp_size {h.producer_tp_size} must be at least 1")
-    if h.side_channel_ports and len(h.side_channel_ports) != h.producer_tp_size:
-        raise HandoffError(
-            f"{len(h.side_channel_ports)} side_channel_ports for producer_tp_size "
-            f"{h.producer_tp_size} (one port per producer TP rank)"
-        )
+    _check_producer(h)
     return h
 
 
