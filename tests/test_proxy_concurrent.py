@@ -82,13 +82,9 @@ async def test_the_decode_leg_leaves_with_the_prefill_leg_once_the_prefill_is_kn
     client,  # noqa: F811
 ):
     prefill, decode = backends
-    proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url], dispatch="concurrent")
-    prefill.gate.set()
-    # The first request to a prefill: sequential, and its handoff says where the prefill is.
-    async with client.post(proxy + "/v1/completions", json=BODY) as resp:
-        assert resp.status == 200, await resp.text()
+    proxy = await learnt_proxy(start_proxy, client, prefill, decode)
+    # The first request to a prefill went sequentially: its handoff says where the prefill is.
     assert decode.generation_requests()[0].body["kv_transfer_params"] == HANDOFF
-    prefill.gate.clear()
     answer = asyncio.create_task(client.post(proxy + "/v1/completions", json=BODY))
     await eventually(lambda: _true(len(decode.generation_requests()) == 2))
     assert not prefill.gate.is_set()  # the decode leg is out while the prefill computes
@@ -154,10 +150,8 @@ async def test_a_prefill_that_hands_over_from_another_producer_gets_the_decode_l
     client,  # noqa: F811
 ):
     prefill, decode = backends
-    proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url], dispatch="concurrent")
+    proxy = await learnt_proxy(start_proxy, client, prefill, decode)
     prefill.gate.set()
-    async with client.post(proxy + "/v1/completions", json=BODY) as resp:
-        assert resp.status == 200
     restarted = {**HANDOFF, "side_channel_ports": [14011]}  # restarted on other ports
     prefill.handoff = restarted
     async with client.post(proxy + "/v1/completions", json=BODY) as resp:
