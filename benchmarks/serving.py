@@ -1,7 +1,7 @@
 """What disaggregation costs a client: plain vLLM vs our 1P1D (P2P, pool) vs vLLM's built-in 1P1D.
 
     python -m benchmarks.serving [--full] [--out-dir DIR] [--no-builtin] [--no-pool] [--mla]
-                                 [--ours-b JSON] [--ours-b-src DIR]
+                                 [--ours-b JSON] [--ours-b-src DIR] [--ours-b-proxy FLAGS]
 
 Four setups of the tiny local model (``--mla``: the tiny DeepSeek-V2-style MLA model, served
 with ``--attention-backend CPU_MLA``; results then go to ``serving_mla.json``/``.png``) on this
@@ -37,9 +37,11 @@ import json
 import os
 import random
 import re
+import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -80,8 +82,10 @@ class Stack:
         with_pool: bool = False,
         ours_b: dict | None = None,
         ours_b_src: Path | None = None,
+        ours_b_proxy: Sequence[str] = (),
     ):
         self.with_builtin, self.with_pool = with_builtin, with_pool
+        self.ours_b_proxy = list(ours_b_proxy)  # flags of the second pair's proxy
         self.ours_b = ours_b  # settings of a second P2P pair measured beside ours (an A/B)
         self.ours_b_src = ours_b_src  # another checkout that pair runs mooncake_vllm from
         self.workdir, self.log_dir = workdir, log_dir
@@ -162,7 +166,7 @@ class Stack:
         self.urls["plain"] = self.vllm["plain"].url
         self.urls["ours"] = self._our_proxy("ours")
         if self.ours_b is not None:
-            self.urls["ours_b"] = self._our_proxy("ours_b")
+            self.urls["ours_b"] = self._our_proxy("ours_b", *self.ours_b_proxy)
         if self.with_pool:
             self.urls["pool"] = self._our_proxy("pool", "--mode", "pool")
         if self.with_builtin:
@@ -692,7 +696,17 @@ def main(argv: list[str] | None = None) -> int:
         help="an A/B of code: the second P2P pair runs mooncake_vllm from this checkout (e.g. a "
         "git worktree of the commit before a change); implies --ours-b '{}' if not given",
     )
+    ap.add_argument(
+        "--ours-b-proxy",
+        type=shlex.split,
+        default=[],
+        metavar="FLAGS",
+        help="an A/B of the proxy: the second P2P pair's proxy gets these flags, e.g. "
+        "'--dispatch concurrent'; implies --ours-b '{}' if not given",
+    )
     args = ap.parse_args(argv)
+    if args.ours_b_proxy and args.ours_b is None:
+        args.ours_b = {}
     if args.ours_b_src is not None:
         if not (args.ours_b_src / "mooncake_vllm").is_dir():
             ap.error(f"--ours-b-src {args.ours_b_src}: no mooncake_vllm package there")
@@ -711,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         with_pool=not args.no_pool,
         ours_b=args.ours_b,
         ours_b_src=args.ours_b_src,
+        ours_b_proxy=args.ours_b_proxy,
     )
     print(
         f"starting servers (logs in {log_dir}); vLLM takes minutes to start on 2 cores", flush=True
@@ -738,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         "idle_pair_read_ms": idle_ms,
         "ours_b": args.ours_b,
         "ours_b_src": str(args.ours_b_src) if args.ours_b_src else None,
+        "ours_b_proxy": args.ours_b_proxy,
     }
     record(args.out_dir, stack, settings, samples, cells)
     return 0
