@@ -44,6 +44,7 @@ import itertools
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -257,6 +258,8 @@ def _command(srv) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (kill, pkill) as an exception: the servers are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     for d in datasets:
         dataset_args(d, args, 1)  # a bad name stops here, before minutes of start-up
