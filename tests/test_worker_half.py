@@ -65,7 +65,7 @@ class FakeSideChannel:
         out, self.rejected = self.rejected, 0
         return out
 
-    def call(self, address, frame, timeout_s):
+    def call(self, address, frame, timeout_s, cancelled=None):
         self.frames.append(frame)
         self.addresses.append(address)
         if isinstance(frame, protocol.Release):
@@ -418,13 +418,13 @@ class PerRankSideChannel(FakeSideChannel):
         super().__init__()
         self.segments = segments
 
-    def call(self, address, frame, timeout_s):
+    def call(self, address, frame, timeout_s, cancelled=None):
         if isinstance(frame, protocol.Acquire):
             self.frames.append(frame)
             self.addresses.append(address)
             port = int(address.rpartition(":")[2])
             return protocol.Granted(frame.transfer_id, f"p{port}:1", [self.segments[port]])
-        return super().call(address, frame, timeout_s)
+        return super().call(address, frame, timeout_s, cancelled)
 
 
 def _layout_worker(engine, channel, tp_size: int, rank: int, block_size: int) -> WorkerHalf:
@@ -510,7 +510,7 @@ class PendingSideChannel(FakeSideChannel):
                     raise CallCancelled("cancelled")
                 assert time.monotonic() < deadline
             return protocol.Granted(frame.transfer_id, "producer:1", [REMOTE], "inc", self.handoff)
-        return super().call(address, frame, timeout_s)
+        return super().call(address, frame, timeout_s, cancelled)
 
 
 TID = "ab" * 16

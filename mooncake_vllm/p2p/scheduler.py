@@ -258,16 +258,7 @@ class SchedulerHalf:
         if isinstance(handoff, PendingHandoff):
             return handoff, None
         try:
-            validate_handoff(
-                handoff,
-                prompt_len=request.num_prompt_tokens,
-                compat_hash=self._compat_hash,
-                kv_heads=self._kv_heads,
-                tp_size=self._cfg.tp_size,
-                block_size=self._block_size,
-                kv_layout=self._kv_layout,
-                reblock_format=self._reblock_format,
-            )
+            validate_handoff(handoff, **self._checks(request))
         except HandoffError as e:
             return handoff, str(e)  # still release the producer's lease
         return handoff, None

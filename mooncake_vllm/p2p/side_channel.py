@@ -40,6 +40,7 @@ from mooncake_vllm.p2p.protocol import (
     Acquire,
     Frame,
     Granted,
+    Handoff,
     MemSegment,
     Refused,
     Release,
@@ -243,10 +244,15 @@ class SideChannelServer:
         else:
             self.guard.drop("unexpected frame")
 
-    def _acquire(self, frame: Acquire) -> Lease | str | None:
-        return self._leases.acquire(
-            frame.transfer_id, frame.remote_block_ids, frame.owner, frame.readers
-        )
+    def _acquire(self, frame: Acquire, pending: bool = False) -> Lease | str | None:
+        """The table's answer to ``frame``; an unknown id only once the holds the engine core
+        has sent are taken in (``on_unknown``)."""
+        args = (frame.transfer_id, frame.remote_block_ids, frame.owner, frame.readers)
+        got = self._leases.acquire(*args, pending=pending)
+        if got is None:
+            self._on_unknown()
+            got = self._leases.acquire(*args, pending=pending)
+        return got
 
     def _answer_acquire(self, identity: bytes, nonce: bytes, frame: Acquire) -> None:
         if frame.wait_ms > 0 and not frame.remote_block_ids and not frame.incarnation:
@@ -260,23 +266,21 @@ class SideChannelServer:
             self._send(identity, nonce, Refused(frame.transfer_id, reason))
             return
         got = self._acquire(frame)
-        if got is None:
-            self._on_unknown()
-            got = self._acquire(frame)
         if isinstance(got, Lease):
-            self._grant(identity, nonce, frame, None)
+            self._grant(identity, nonce, frame)
         else:
             if got is None:
                 self.guard.drop("unknown transfer id")
             reason = got or f"unknown transfer id {short(frame.transfer_id)}"
             self._send(identity, nonce, Refused(frame.transfer_id, reason))
 
-    def _grant(self, identity: bytes, nonce: bytes, frame: Acquire, lease: Lease | None) -> None:
-        """``Granted``; to a pending acquire (``lease`` given) with the lease's handoff."""
+    def _grant(
+        self, identity: bytes, nonce: bytes, frame: Acquire, handoff: Handoff | None = None
+    ) -> None:
+        """``Granted``; to a pending acquire with the lease's ``handoff``."""
         segment, segments = self._layout()
         if self._on_grant is not None:
             self._on_grant(frame.transfer_id)
-        handoff = lease.handoff if lease is not None else None
         granted = Granted(frame.transfer_id, segment, segments, self._incarnation, handoff)
         self._send(identity, nonce, granted)
 
@@ -285,12 +289,9 @@ class SideChannelServer:
 
     def _answer_pending(self, w: _Waiting) -> None:
         tid = w.frame.transfer_id
-        got = self._leases.acquire(tid, [], w.frame.owner, w.frame.readers, pending=True)
-        if got is None:
-            self._on_unknown()
-            got = self._leases.acquire(tid, [], w.frame.owner, w.frame.readers, pending=True)
+        got = self._acquire(w.frame, pending=True)
         if isinstance(got, Lease):
-            self._grant(w.identity, w.nonce, w.frame, got)
+            self._grant(w.identity, w.nonce, w.frame, got.handoff)
         elif got is not None:
             self._send(w.identity, w.nonce, Refused(tid, got))
         elif sum(map(len, self._waiting.values())) >= _MAX_WAITING:

@@ -436,13 +436,23 @@ class WorkerHalf:
                 # Only the holder of this token can release the lease this acquire pins.
                 owner = secrets.token_bytes(OWNER_BYTES)
                 asked_at = time.monotonic()
-                if isinstance(h, PendingHandoff):  # waits for the prefill; not the pull's time
-                    reply = self._acquire_pending(
-                        address, h, owner, readers, deadline, load.req_id, acquired
+                pending = isinstance(h, PendingHandoff)
+                try:
+                    reply = self._acquire(
+                        address,
+                        h,
+                        owner,
+                        readers,
+                        deadline - asked_at,
+                        self._cancels.get(load.req_id),
                     )
+                except SideChannelError:
+                    if pending:  # the wait still stands at the producer: the release withdraws it
+                        acquired[address] = owner
+                    raise
+                if pending:  # it waited for the prefill: not the pull's time
                     start = time.monotonic()
                 else:
-                    reply = self._acquire(address, h, owner, readers, deadline - time.monotonic())
                     out.acquire_s += time.monotonic() - asked_at
                 if isinstance(reply, Refused):
                     return PullOutcome(load.req_id, ok=False, reason=reply.reason, refused=True)
@@ -624,43 +634,27 @@ class WorkerHalf:
             )
 
     def _acquire(
-        self, address: str, h: Handoff, owner: bytes, readers: int, timeout_s: float
-    ) -> Granted | Refused:
-        # The acquire names all the hold's blocks, whatever this consumer reads of them.
-        reply = self._client.call(
-            address,
-            Acquire(h.transfer_id, h.remote_block_ids, owner, readers, h.producer_incarnation),
-            timeout_s=max(0.1, timeout_s),
-        )
-        if not isinstance(reply, Granted | Refused):
-            raise PullFailed(f"unexpected reply {type(reply).__name__}")
-        return reply
-
-    def _acquire_pending(
         self,
         address: str,
-        h: PendingHandoff,
+        h: Handoff | PendingHandoff,
         owner: bytes,
         readers: int,
-        deadline: float,
-        req_id: str,
-        acquired: dict[str, bytes],
+        timeout_s: float,
+        cancelled: threading.Event | None = None,
     ) -> Granted | Refused:
-        """A pending handoff's acquire: the producer answers it once the prefill's lease exists.
-        A wait given up (its request was aborted, or no answer by the deadline) still leaves it
-        with the producer: ``acquired`` gets it, so the pull's release withdraws it (or ends the
-        lease, if it was granted meanwhile)."""
-        wait_s = max(0.1, deadline - time.monotonic())
-        # The producer refuses it a little before this side gives up, so the reason arrives.
-        wait_ms = int(max(0.1, wait_s - _PENDING_MARGIN_S) * 1000)
-        frame = Acquire(h.transfer_id, [], owner, readers, "", wait_ms=wait_ms)
-        try:
-            reply = self._client.call(
-                address, frame, timeout_s=wait_s, cancelled=self._cancels.get(req_id)
+        if isinstance(h, PendingHandoff):
+            # No blocks or incarnation yet: the producer answers once the prefill's lease exists,
+            # and refuses a little before this side gives up, so the reason arrives.
+            wait_ms = int(max(0.1, timeout_s - _PENDING_MARGIN_S) * 1000)
+            frame = Acquire(h.transfer_id, [], owner, readers, "", wait_ms=wait_ms)
+        else:
+            # The acquire names all the hold's blocks, whatever this consumer reads of them.
+            frame = Acquire(
+                h.transfer_id, h.remote_block_ids, owner, readers, h.producer_incarnation
             )
-        except SideChannelError:
-            acquired[address] = owner
-            raise
+        reply = self._client.call(
+            address, frame, timeout_s=max(0.1, timeout_s), cancelled=cancelled
+        )
         if not isinstance(reply, Granted | Refused):
             raise PullFailed(f"unexpected reply {type(reply).__name__}")
         return reply
@@ -699,12 +693,8 @@ class WorkerHalf:
             owner = secrets.token_bytes(OWNER_BYTES)
             try:
                 address = self._producer_address(h, rank)
-                if isinstance(h, PendingHandoff):
-                    wait_ms = int(max(0.1, wait_s) * 1000)
-                    frame = Acquire(h.transfer_id, [], owner, source.readers, "", wait_ms=wait_ms)
-                    reply = self._client.call(address, frame, timeout_s=max(0.1, wait_s))
-                else:
-                    reply = self._acquire(address, h, owner, source.readers, _RELEASE_TIMEOUT_S)
+                timeout_s = wait_s if isinstance(h, PendingHandoff) else _RELEASE_TIMEOUT_S
+                reply = self._acquire(address, h, owner, source.readers, timeout_s)
                 if isinstance(reply, Granted):
                     self._release(address, h.transfer_id, owner, ok)
             except Exception as e:  # the producer's lease TTL frees the blocks anyway

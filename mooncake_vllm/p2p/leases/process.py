@@ -192,8 +192,6 @@ class LeaseServer:
                 try:
                     poller.poll(self._poll_timeout_ms())
                     self._read_commands()  # first: a hold precedes its handoff's acquire
-                    for srv in self._servers:  # pending acquires whose hold has come
-                        srv.answer_waiting()
                     t0, frames, dropped = time.monotonic(), 0, 0
                     for srv in self._servers:
                         f, d = srv.serve_ready()
@@ -201,7 +199,7 @@ class LeaseServer:
                     pause_s = abuse_pause_s(frames, dropped, time.monotonic() - t0)
                     for table in self._tables:
                         table.expire()
-                    for srv in self._servers:  # ... and those past their deadline
+                    for srv in self._servers:  # pending acquires whose hold came, or time ran out
                         srv.answer_waiting()
                     self._report()
                     self._report_dropped()
