@@ -47,7 +47,6 @@ async def open_both(
 ) -> OpenDecode:
     """Both legs of one prompt; the decode's answer opened up to its first token."""
     transfer_id = rewrite.new_transfer_id()
-    prefill_body = rewrite.encode_json(rewrite.build_prefill_body(body, ctx.path, transfer_id))
     decode: asyncio.Task[OpenDecode] | None = None
     waits_on: dict[str, Any] | None = None  # the producer the decode leg waits on
     sent = asyncio.Event()  # a decode leg was sent (it may fail before the prefill answers)
@@ -61,17 +60,10 @@ async def open_both(
             decode = asyncio.create_task(legs.open_decode_ok(backends, ctx, data))
             sent.set()
 
-    prefill = asyncio.create_task(
-        backends.read_whole("prefill", ctx, "POST", data=prefill_body, before_send=start_decode)
-    )
+    prefill = asyncio.create_task(legs.prefill(backends, ctx, body, transfer_id, start_decode))
     try:
         await _first_failure(prefill, lambda: decode, sent)
-        attempt = prefill.result()
-        backends.metrics.prefill_seconds.labels(attempt.backend.url).observe(attempt.answer.took_s)
-        logger.info(
-            "%s prefill %s -> %d", ctx.request_id, attempt.backend.url, attempt.answer.status
-        )
-        outcome = legs.prefill_outcome(backends, ctx, attempt)
+        outcome = prefill.result()
     except BaseException:
         prefill.cancel()
         _cancel(decode)
@@ -129,6 +121,4 @@ def _cancel(task: asyncio.Task[OpenDecode] | None) -> None:
         task.cancel()
         return
     if not task.cancelled() and task.exception() is None:
-        leg = task.result()
-        leg.response.close()
-        leg.in_flight.release()
+        legs.close_decode(task.result())

@@ -53,7 +53,7 @@ async def generate_each_prompt(
             merged = prompt_list.merge_answers(await _all_or_none(answers, lambda _: None))
             backends.metrics.first_decode_byte_seconds.observe(time.monotonic() - ctx.started_s)
             return Response(rewrite.encode_json(merged), 200, content_type="application/json")
-        decodes: list[OpenDecode] = await _all_or_none(answers, _close)
+        decodes: list[OpenDecode] = await _all_or_none(answers, legs.close_decode)
     finally:
         for task in prefills:  # only left running when a decode failed first
             task.cancel()
@@ -100,12 +100,6 @@ async def _decode(
             502, f"decode backend {leg.backend.url} answered with a non-object", "backend_error"
         )
     return answer
-
-
-def _close(leg: OpenDecode) -> None:
-    # close(), not release(): vLLM must see the connection go and abort the request.
-    leg.response.close()
-    leg.in_flight.release()
 
 
 async def _all_or_none(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,23 +45,35 @@ class PrefillOutcome:
     kv_transfer_params: dict[str, Any] | None  # None: the decode computes the prompt itself
 
 
-async def prefill(backends: Backends, ctx: RequestContext, body: dict[str, Any]) -> PrefillOutcome:
+async def prefill(
+    backends: Backends,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    transfer_id: str | None = None,
+    before_send: Callable[[Backend], object] | None = None,
+) -> PrefillOutcome:
     """Run the prefill leg; returns its outcome for the decode leg or raises ProxyError.
 
     The prefill leg is safe to repeat (it only fills a cache and returns one token), so a
     connection failure is retried once on another healthy prefill; an HTTP error is not.
+    ``transfer_id``: the one to ask for (default: a new one; none in pool mode); ``before_send``:
+    told each prefill the leg goes to (``concurrent``).
     """
-    pool_mode = backends.cfg.mode == "pool"
-    transfer_id = None if pool_mode else rewrite.new_transfer_id()
-    leg_body = rewrite.build_prefill_body(body, ctx.path, transfer_id)
-    attempt = await backends.read_whole("prefill", ctx, "POST", data=rewrite.encode_json(leg_body))
+    if backends.cfg.mode == "pool":
+        transfer_id = None
+    elif transfer_id is None:
+        transfer_id = rewrite.new_transfer_id()
+    leg_body = rewrite.encode_json(rewrite.build_prefill_body(body, ctx.path, transfer_id))
+    attempt = await backends.read_whole(
+        "prefill", ctx, "POST", data=leg_body, before_send=before_send
+    )
     backend, reply = attempt.backend, attempt.answer
     backends.metrics.prefill_seconds.labels(backend.url).observe(reply.took_s)
     logger.info("%s prefill %s -> %d", ctx.request_id, backend.url, reply.status)
-    return prefill_outcome(backends, ctx, attempt)
+    return _prefill_outcome(backends, ctx, attempt)
 
 
-def prefill_outcome(
+def _prefill_outcome(
     backends: Backends, ctx: RequestContext, attempt: Attempt[Reply]
 ) -> PrefillOutcome:
     metrics, backend, reply = backends.metrics, attempt.backend, attempt.answer
@@ -160,6 +173,13 @@ async def open_decode_ok(backends: Backends, ctx: RequestContext, body: bytes) -
             backends.metrics.backend_errors.labels("decode", leg.backend.url, "http_5xx").inc()
         raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
     return leg
+
+
+def close_decode(leg: OpenDecode) -> None:
+    """Closes an open decode answer unread: close(), not release(), so vLLM sees the connection
+    go and aborts the request."""
+    leg.response.close()
+    leg.in_flight.release()
 
 
 async def read_decode(backends: Backends, leg: OpenDecode) -> bytes:
