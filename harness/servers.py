@@ -519,7 +519,11 @@ def start_mooncake_master(
     ``--enable_http_metadata_server``. Pass a stopped master's ports to restart it in place.
 
     The wheel (0.3.13.post1) binds its http metadata server to every interface whatever
-    ``--http_metadata_server_host`` says, so its port is picked free on all of them."""
+    ``--http_metadata_server_host`` says, so its port is picked free on all of them.
+
+    ``--client_ttl 30``: the default 10 s equals the read lease, so one stall of a holder's
+    store threads (docs/pool.md, Threads) both expires a read and drops every object of that
+    holder (the retry then finds nothing: -704); 30 s outlasts the stalls measured here."""
     port = port or free_port(host)
     metadata_port = metadata_port or free_port("0.0.0.0")
     metrics_port = free_port(host)
@@ -530,6 +534,7 @@ def start_mooncake_master(
         "--enable_http_metadata_server",
         "--http_metadata_server_host", host, "--http_metadata_server_port", str(metadata_port),
         "--metrics_host", host, "--metrics_port", str(metrics_port),
+        "--client_ttl", "30",
         *extra_args,
     ]  # fmt: skip
     log = (log_dir or default_log_dir()) / f"mooncake-master-{host}-{port}.log"
