@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import pytest
 
 from harness import servers
@@ -75,8 +78,85 @@ WIDE_HOST, NARROW_HOST = "127.0.0.9", "127.0.0.10"
 LOAD_TIMEOUT_S = 10.0
 
 
+# ---- servers started ahead, beside tests that leave a core idle ---------------------------------
+# A vLLM start keeps a core busy for most of a minute (imports); most tests send a request at a
+# time and leave a core idle. So the tests without servers run first, beside the shared cluster's
+# start; and a module with servers of its own may define ``prestart(cluster, tmp_path_factory)``
+# (returning what its module fixture starts, taken with ``prestarted``), which the module that
+# runs before it begins in the background if it says its tests may share the machine
+# (``SHARES_THE_MACHINE = True``: none of its assertions depends on timing). These modules run
+# first among those with servers, in this order; the others follow alphabetically.
+SERVER_MODULES_FIRST = ["test_api_matrix_e2e", "test_layout_e2e"]
+_ahead: dict[str, Future] = {}
+_session: dict = {}  # the cluster's start, tmp_path_factory and a thread pool, once they exist
+_shared: set[str] = set()  # modules whose first test has begun the next module's start
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def key(item) -> tuple[bool, int]:
+        name = item.module.__name__
+        first = SERVER_MODULES_FIRST.index(name) if name in SERVER_MODULES_FIRST else 99
+        return item.get_closest_marker("servers") is not None, first
+
+    items.sort(key=key)
+
+
+def pytest_runtest_setup(item):
+    """At a module's first test, if it shares the machine, the next module's ``prestart``."""
+    module = item.module
+    if not getattr(module, "SHARES_THE_MACHINE", False) or module.__name__ in _shared:
+        return
+    _shared.add(module.__name__)
+    items = item.session.items
+    nxt = next((i.module for i in items[items.index(item) :] if i.module is not module), None)
+    if nxt is None or not hasattr(nxt, "prestart") or "pool" not in _session:
+        return
+    cluster, tmp = _session["cluster"], _session["tmp"]
+    _ahead[nxt.__name__] = _session["pool"].submit(lambda: nxt.prestart(cluster.result(), tmp))
+
+
+def prestarted(module_name: str, start):
+    """The servers ``start()`` returns: begun ahead (see above) or started now."""
+    ahead = _ahead.pop(module_name, None)
+    return ahead.result() if ahead is not None else start()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cluster_start(request, tmp_path_factory):
+    """Starts the shared cluster in the background at the session's first test, if a selected
+    test needs it: on 2 cores its minute and a half of imports overlaps the single-threaded
+    unit tests that run first, instead of following them."""
+    if not any("cluster" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    model = request.getfixturevalue("tiny_model")  # built here: tests may build it too
+    with ThreadPoolExecutor(2, thread_name_prefix="servers-ahead") as pool:
+        start = pool.submit(_start_cluster, model, tmp_path_factory)
+        _session.update(cluster=start, tmp=tmp_path_factory, pool=pool)
+        yield start
+        if not all(f.done() for f in (start, *_ahead.values())):
+            servers.stop_all()  # the session ended early: its servers stop, so the starts fail
+        for ahead in _ahead.values():  # begun for a module that did not take them
+            with contextlib.suppress(Exception):
+                for srv in ahead.result():
+                    srv.stop()
+        if start.exception() is None:
+            start.result().stop()
+
+
 @pytest.fixture(scope="session")
-def cluster(tiny_model, tmp_path_factory):
+def cluster(_cluster_start: Future | None):
+    if _cluster_start is None:
+        pytest.fail("the shared cluster was not started: no selected test was seen to need it")
+    c = _cluster_start.result()
+    yield c
+    if c.dump_logs:
+        for srv in c.servers:
+            proc = srv.process
+            print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
+
+
+def _start_cluster(model: str, tmp_path_factory) -> Cluster:
     from harness.pd import (
         DECODE_HOST,
         PREFILL_HOST,
@@ -95,8 +175,7 @@ def cluster(tiny_model, tmp_path_factory):
     cfg = mooncake_json(tmp / "mooncake.json", auth_secret_file=str(secret))
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     specs = [
-        # The plain reference runs its worker in the engine-core process: one import less.
-        ServerSpec("plain", args=["--distributed-executor-backend", "uni"]),
+        ServerSpec("plain"),
         ServerSpec(
             "prefill", PREFILL_HOST, kv_args("kv_producer", {"lease_ttl_s": LEASE_TTL_S}), env
         ),
@@ -127,17 +206,8 @@ def cluster(tiny_model, tmp_path_factory):
         kv_load_failure_policy="fail",
         kv_connector_module_path="mooncake_vllm.connector",
     )
-    both_args += ["--distributed-executor-backend", "uni"]
     specs.append(ServerSpec("both", "127.0.0.4", both_args, {**env, "VLLM_PLUGINS": ""}))
-    started = start_many(tiny_model, specs)
-    c = Cluster(tiny_model, *started, config_path=cfg, secret_path=secret)
-    yield c
-    if c.dump_logs:
-        for srv in started:
-            proc = srv.process
-            print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
-    for srv in reversed(started):
-        srv.stop()
+    return Cluster(model, *start_many(model, specs), config_path=cfg, secret_path=secret)
 
 
 class Cluster:
@@ -147,6 +217,14 @@ class Cluster:
         self.config_path, self.secret_path = config_path, secret_path
         self.lease_ttl_s, self.load_timeout_s = LEASE_TTL_S, LOAD_TIMEOUT_S
         self.dump_logs = False
+
+    @property
+    def servers(self) -> list:
+        return [self.plain, self.prefill, self.decode, self.both]
+
+    def stop(self) -> None:
+        for srv in reversed(self.servers):
+            srv.stop()
 
 
 def _pull_failures(c: Cluster) -> dict[str, float]:

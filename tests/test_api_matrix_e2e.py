@@ -37,6 +37,8 @@ from harness.pd import eventually
 from harness.xpyd import start_pair_proxy
 
 pytestmark = pytest.mark.servers
+# Answers are compared, never timed: the next module's servers start beside these tests.
+SHARES_THE_MACHINE = True
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MODES = ("non-stream", "stream")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import LOAD_TIMEOUT_S, NARROW_HOST, WIDE_HOST
+from conftest import LOAD_TIMEOUT_S, NARROW_HOST, WIDE_HOST, prestarted
 from test_connector_e2e import assert_failed_load
 
 from harness import pd as harness
@@ -53,9 +53,17 @@ def _engine_args(host: str, port: int, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def engines(cluster):
+def engines(cluster, tmp_path_factory):
+    started = prestarted(__name__, lambda: prestart(cluster, tmp_path_factory))
+    yield started
+    for server in started:
+        server.stop()
+
+
+def prestart(cluster, tmp_path_factory) -> list:
     """wide: TP2 (two worker processes); narrow: 64-token blocks. Both producer and consumer,
-    vLLM's default failure policy, no prefix caching."""
+    vLLM's default failure policy, no prefix caching. (Begun by the API matrix's module, which
+    runs before this one: see conftest.)"""
     env = {"MOONCAKE_CONFIG_PATH": str(cluster.config_path)}
     tp2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
     narrow = ["--block-size", str(NARROW_BLOCK), "--distributed-executor-backend", "uni"]
@@ -65,10 +73,7 @@ def engines(cluster):
             "narrow-b64", NARROW_HOST, _engine_args(NARROW_HOST, 13050, *narrow), env
         ),
     ]
-    started = harness.start_many(cluster.model, specs)
-    yield started
-    for server in started:
-        server.stop()
+    return harness.start_many(cluster.model, specs)
 
 
 @pytest.fixture
