@@ -64,8 +64,11 @@ METADATA_TTL_S = 4.0  # a killed engine's record is gone this long after its las
 LEASE_TTL_S = 6.0  # a prefill frees a prompt nobody pulled (its decode was killed) this fast
 LOAD_TIMEOUT_S = 8.0
 PROXY_TIMEOUT_S = 60.0
-# vLLM's --shutdown-timeout: on SIGTERM an engine finishes its requests for up to this long.
-SHUTDOWN_TIMEOUT_S = 30
+# vLLM's --shutdown-timeout: on SIGTERM an engine finishes its requests, and tears down, within
+# this. The drains here end at once; the teardown after them took 8-25 s, and once (2026-11-26, a
+# slow hour of this host) 30 s, its worker outliving vLLM's 5 s grace and its engine core 21 s
+# more after the worker was killed.
+SHUTDOWN_TIMEOUT_S = 45
 DISCOVER_INTERVAL_S = 1.0  # the proxy's default --discover-interval-s
 MAX_TOKENS = 8
 CONCURRENCY = 4
@@ -645,7 +648,7 @@ async def test_rolling_restart_under_load_fails_no_request(xpyd):
     assert p2["released"] >= 1 and p2["expired"] == 0 and p2["held_leases_at_exit"] == 0, p2
     for name, facts in (("p2", p2), ("d2", d2)):
         # Out of rotation at its first refusal, not when its record or its probes say so; done
-        # before vLLM's deadline, then exited cleanly (its teardown takes 10-25 s here).
+        # before vLLM's deadline, then exited cleanly.
         assert facts["out_of_rotation_s"] < 5, (name, facts)
         assert facts["exit_code"] == 0 and not facts["killed_at_deadline"], (name, facts)
 
