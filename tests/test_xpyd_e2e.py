@@ -451,7 +451,7 @@ async def _list_serving(etcd_url: str) -> dict[str, bytes]:
 
 # Longer answers than elsewhere, so a decode has streams running when it is told to stop.
 ROLLING_MAX_TOKENS = 32
-STRADDLING_MAX_TOKENS = 64  # the stream started on a decode just before its SIGTERM
+STRADDLING_MAX_TOKENS = 256  # a stream on a decode at its SIGTERM (64 ended before it once)
 
 
 @dataclass(frozen=True)
