@@ -91,7 +91,6 @@ logger = logging.getLogger(__name__)
 _RELEASE_TIMEOUT_S = 2.0
 _PENDING_MARGIN_S = 0.5  # a pending acquire's wait at the producer ends this much earlier
 _PULL_THREADS = 8  # pulls mostly sleep (side channel, status polls); a stuck one must not queue
-_PULL_NICE = -10  # where real-time priority is not allowed (os_threads)
 
 
 def _init_pull_thread() -> None:
@@ -100,7 +99,7 @@ def _init_pull_thread() -> None:
     the thread drops back to normal priority (docs/benchmarks.md, A/B runs). It sleeps between
     polls, so the priority (``thread_priority``) costs nothing while idle."""
     name_this_thread("mc-pull")
-    make_latency_critical(_PULL_NICE)
+    make_latency_critical()
 
 
 class PullFailed(RuntimeError):

@@ -41,8 +41,6 @@ from mooncake_vllm.transfer.stores import (
 )
 
 logger = logging.getLogger(__name__)
-# The bridge process's nice value where real-time priority is not the policy (the lease server's).
-BRIDGE_NICE = -10
 
 
 class KeyValue(Protocol):
@@ -373,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     # Threads started later (the loop's executor) inherit the priority.
     os_threads.set_policy(args.thread_priority)
     os_threads.name_this_thread("mc-metadata")
-    os_threads.make_latency_critical(BRIDGE_NICE)
+    os_threads.make_latency_critical()
     spec = json.loads(sys.stdin.readline())
     target = MetadataTarget(spec["kind"], tuple(spec["endpoints"]), spec["tls"])
     try:

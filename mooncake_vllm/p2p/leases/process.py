@@ -52,10 +52,6 @@ from mooncake_vllm.p2p.side_channel import (
 
 logger = logging.getLogger("mooncake_vllm.p2p.leases.process")
 
-# Measured (perf sched, 1900-token prompts at c=4 on 2 cores): at nice 0 the side-channel thread
-# waited 11.7 ms on average and up to 168 ms for a CPU after each wake-up; at nice -10, 1.2 ms
-# and 32 ms. Real-time priority where allowed (see os_threads), this nice value otherwise.
-_NICE = -10
 _PR_SET_PDEATHSIG = 1
 # A failing loop logs at most this often (with the count), pausing between attempts.
 _ERROR_LOG_INTERVAL_S = 60.0
@@ -319,7 +315,7 @@ def main() -> None:
     if not isinstance(start, Start):
         raise SystemExit(f"lease server: expected Start, got {type(start).__name__}")
     set_policy(start.thread_priority)
-    priority = make_latency_critical(_NICE)
+    priority = make_latency_critical()
     try:
         server = LeaseServer(start, conn)
     except SideChannelError as e:
