@@ -33,6 +33,7 @@ from harness.pd import (
     kv_args,
     mooncake_json,
     pulls_since,
+    reference_spec,
     start_many,
     tokens_by_transfer,
     two_legs,
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     big = ["--tensor-parallel-size", str(args.tp), "--distributed-executor-backend", executor]
     one = ["--distributed-executor-backend", "uni"]
     specs = [
-        ServerSpec("plain", args=one),
+        reference_spec("plain"),
         ServerSpec(
             f"tp{args.tp}-b{block_x}",
             "127.0.0.11",

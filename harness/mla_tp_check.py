@@ -19,7 +19,15 @@ import asyncio
 import random
 import time
 
-from harness.pd import ServerSpec, client_session, complete, kv_args, start_many, two_legs
+from harness.pd import (
+    ServerSpec,
+    client_session,
+    complete,
+    kv_args,
+    reference_spec,
+    start_many,
+    two_legs,
+)
 from harness.tiny_model import MLA_CPU_ARGS, TinyMLASpec, build_tiny_model
 
 SPEC = TinyMLASpec()
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     model = str(build_tiny_model(spec=SPEC))
     specs = [
-        ServerSpec("plain-mla-tp", args=[*MLA_CPU_ARGS, "--distributed-executor-backend", "uni"]),
+        reference_spec("plain-mla-tp", args=MLA_CPU_ARGS),
         ServerSpec(
             "mla-tp2",
             TP2_HOST,

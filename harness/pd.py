@@ -74,6 +74,21 @@ class ServerSpec:
     cli: bool = False  # start it as ``vllm serve MODEL ...`` (see ``start_vllm``)
 
 
+# A reference: a plain vLLM that only answers what a pair must equal, never timed. Its worker runs
+# inside the engine core (vLLM's uni executor, which the CPU platform keeps only with
+# VLLM_ENABLE_V1_MULTIPROCESSING=0; the API server still runs the engine core in its own
+# process): one process fewer to start, and no worker spinning on vLLM's shared-memory queue for
+# a second after every step. Same kernels, one OpenMP thread (``vllm_env``): the same tokens.
+REFERENCE_ARGS = ("--distributed-executor-backend", "uni")
+REFERENCE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def reference_spec(name: str, host: str = "127.0.0.1", args: Sequence[str] = ()) -> ServerSpec:
+    """A plain vLLM to compare with (``REFERENCE_ARGS``); not for timing: benchmarks compare
+    against vLLM as users run it."""
+    return ServerSpec(name, host, [*args, *REFERENCE_ARGS], dict(REFERENCE_ENV))
+
+
 def readme_pair(
     cfg_path: Path,
     tag: str,

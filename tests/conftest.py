@@ -163,6 +163,7 @@ def _start_cluster(model: str, tmp_path_factory) -> Cluster:
         ServerSpec,
         kv_args,
         mooncake_json,
+        reference_spec,
         start_many,
     )
 
@@ -175,7 +176,7 @@ def _start_cluster(model: str, tmp_path_factory) -> Cluster:
     cfg = mooncake_json(tmp / "mooncake.json", auth_secret_file=str(secret))
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     specs = [
-        ServerSpec("plain"),
+        reference_spec("plain"),
         ServerSpec(
             "prefill", PREFILL_HOST, kv_args("kv_producer", {"lease_ttl_s": LEASE_TTL_S}), env
         ),

@@ -37,6 +37,7 @@ from harness.pd import (
     mooncake_json,
     pool_args,
     pool_extra,
+    reference_spec,
     settles_at,
     start_many,
     start_with_master,
@@ -87,7 +88,7 @@ def mla(cluster, tmp_path_factory, request):
     )
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     specs = [
-        ServerSpec("plain-mla", args=[*MLA_CPU_ARGS, "--distributed-executor-backend", "uni"]),
+        reference_spec("plain-mla", args=MLA_CPU_ARGS),
         ServerSpec("prefill-mla", PREFILL_HOST, [*MLA_CPU_ARGS, *kv_args("kv_producer")], env),
         ServerSpec(
             "decode-mla",
