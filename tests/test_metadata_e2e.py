@@ -7,7 +7,7 @@ One pair of vLLM servers per store serves every check of that store (a vLLM star
 minute of a core here). Requests one at a time, or a restart of one engine, leave the second core
 idle: the next store's pair starts beside each test's checks, and the vLLM that must stop at
 startup beside the etcd test's restart of its producer. A restarted consumer is the xPyD module's
-(tests/test_xpyd_e2e.py: a killed decode rejoins).
+(tests/test_xpyd_e2e.py: the rolling restart stops a decode and starts it again; it rejoins).
 """
 
 from __future__ import annotations
