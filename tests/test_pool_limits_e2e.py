@@ -164,7 +164,9 @@ async def test_an_instance_of_another_model_never_reads_the_pools_kv(small_pool,
     # The previous test leaves the pool full, much of it under the master's 10 s read leases: a
     # put is refused ("no space") until they end and the master evicts, and a key put may be
     # evicted again before the decode looks. Wait for the prefill's puts (they land after its
-    # answer) and take a fresh prompt, 2 s later, until the decode finds the Llama's KV.
+    # answer) and take a fresh prompt, 2 s later, until the decode finds the Llama's KV. A full
+    # pool may settle into refusing one block of every prompt (what the master evicts is refilled
+    # by the next put: 10 tries in a row put 7 of 8 once, 2026-11-26): some blocks are enough.
     found = {}
     for seed in range(9, 19):
         if seed > 9:
@@ -173,8 +175,8 @@ async def test_an_instance_of_another_model_never_reads_the_pools_kv(small_pool,
         p0 = POOL_COUNTERS.read(prefill)
         await complete(http, prefill, body(model, prompt, max_tokens=1))
         p = await _puts_settle(prefill, p0, blocks(len(prompt)))
-        if p["put_blocks"] < blocks(len(prompt)):
-            continue  # refused by the full pool
+        if p["put_blocks"] == 0:
+            continue  # all refused by the full pool
         before = POOL_COUNTERS.read(decode)
         await complete(http, decode, body(model, prompt))
         await settles_at(
