@@ -362,7 +362,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="metadata bridge (started by the connector)")
     parser.add_argument("--ttl-s", type=float, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--thread-priority", default="nice", help="the worker's policy")
+    parser.add_argument(
+        "--thread-priority", required=True, choices=("off", "nice", "realtime"),
+        help="the worker's thread_priority policy",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s mooncake-metadata %(message)s")
     # The heartbeat keeps this engine's keys and registry record alive (TTL metadata_ttl_s): it
