@@ -94,9 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     model = str(build_tiny_model(spec=spec))
     cfg = mooncake_json(Path(tempfile.mkdtemp()) / "mooncake.json")
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
-    executor = "mp" if args.tp > 1 else "uni"
-    big = ["--tensor-parallel-size", str(args.tp), "--distributed-executor-backend", executor]
-    one = ["--distributed-executor-backend", "uni"]
+    big = ["--tensor-parallel-size", str(args.tp), "--distributed-executor-backend", "mp"]
     specs = [
         reference_spec("plain"),
         ServerSpec(
@@ -108,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         ServerSpec(
             f"tp1-b{block_1}",
             "127.0.0.12",
-            _engine("127.0.0.12", 13080, *one, "--block-size", str(block_1)),
+            _engine("127.0.0.12", 13080, "--block-size", str(block_1)),
             env,
         ),
     ]

@@ -66,7 +66,7 @@ def prestart(cluster, tmp_path_factory) -> list:
     runs before this one: see conftest.)"""
     env = {"MOONCAKE_CONFIG_PATH": str(cluster.config_path)}
     tp2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
-    narrow = ["--block-size", str(NARROW_BLOCK), "--distributed-executor-backend", "uni"]
+    narrow = ["--block-size", str(NARROW_BLOCK)]
     specs = [
         harness.ServerSpec("wide-tp2", WIDE_HOST, _engine_args(WIDE_HOST, 13040, *tp2), env),
         harness.ServerSpec(
