@@ -59,10 +59,18 @@ async def backends(start_fake):
     return prefill, decode
 
 
-async def learnt_proxy(start_proxy, client, prefill: GatedPrefill, decode: FakeVllm) -> str:  # noqa: F811
+async def learnt_proxy(
+    start_proxy,
+    client,  # noqa: F811
+    prefill: GatedPrefill,
+    decode: FakeVllm,
+    **config,
+) -> str:
     """A concurrent proxy after its first request, which went sequentially and taught it where
     the prefill is; the prefill computes (holds its answers) again."""
-    proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url], dispatch="concurrent")
+    proxy = await start_proxy(
+        prefill=[prefill.url], decode=[decode.url], dispatch="concurrent", **config
+    )
     prefill.gate.set()
     async with client.post(proxy + "/v1/completions", json=BODY) as resp:
         assert resp.status == 200, await resp.text()
@@ -102,6 +110,32 @@ async def test_the_decode_leg_leaves_with_the_prefill_leg_once_the_prefill_is_kn
         assert resp.status == 200 and await resp.json() == FakeVllm.answer()
     assert len(decode.generation_requests()) == 2  # one decode leg per request
     for how, n in (("sequential", 1), ("concurrent", 1), ("resent", 0)):
+        assert (
+            await metric_value(client, proxy, f'mooncake_proxy_dispatched_total{{how="{how}"}}')
+            == n
+        )
+
+
+async def test_a_prefill_expected_to_answer_late_gets_the_decode_leg_after_its_answer(
+    backends,
+    start_proxy,
+    client,  # noqa: F811
+):
+    """A deep prefill queue: the decode would wait past ``--concurrent-max-wait-s`` for its KV,
+    holding its blocks and running toward its load deadline, so it is sent sequentially."""
+    prefill, decode = backends
+    # Any prefill time exceeds this: the learning request's answer took more than a microsecond.
+    proxy = await learnt_proxy(start_proxy, client, prefill, decode, concurrent_max_wait_s=1e-6)
+    answer = asyncio.create_task(client.post(proxy + "/v1/completions", json=BODY))
+    await eventually(lambda: _true(len(prefill.generation_requests()) == 2))
+    await asyncio.sleep(0.2)
+    assert len(decode.generation_requests()) == 1  # nothing sent while the prefill computes
+    prefill.gate.set()
+    async with await answer as resp:
+        assert resp.status == 200 and await resp.json() == FakeVllm.answer()
+    # The real handoff, not a pending one.
+    assert decode.generation_requests()[1].body["kv_transfer_params"] == HANDOFF
+    for how, n in (("sequential", 1), ("queued", 1), ("concurrent", 0), ("resent", 0)):
         assert (
             await metric_value(client, proxy, f'mooncake_proxy_dispatched_total{{how="{how}"}}')
             == n

@@ -324,6 +324,18 @@ def test_in_flight_never_goes_negative():
     assert pool.backends[0].in_flight == 0
 
 
+def test_a_prefills_expected_wait_is_its_legs_in_flight_at_its_time_per_request():
+    (b,) = _pool(n=1).backends
+    assert b.expected_wait_s() == 0.0  # nothing known yet
+    b.record_prefill(took_s=2.0, in_flight=4)  # four legs shared it: 0.5 s each
+    b.in_flight = 10
+    assert b.expected_wait_s() == pytest.approx(5.0)
+    b.record_prefill(took_s=1.5, in_flight=1)  # an average: each answer moves it a fifth
+    assert b.prefill_s_per_request == pytest.approx(0.5 + 0.2 * (1.5 - 0.5))
+    b.in_flight = 0
+    assert b.expected_wait_s() == 0.0
+
+
 def test_no_healthy_backend_when_all_are_ejected():
     pool = _pool(n=2)
     for b in pool.backends:

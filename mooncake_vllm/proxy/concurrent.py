@@ -9,11 +9,15 @@ request has finished, and is then granted the handoff, checked before a byte mov
 decode's request handling overlaps the prefill's compute instead of following it.
 
 A prefill not heard from yet (the proxy's first request to it, or one whose handoffs name no side
-channel) is served sequentially, and its handoff is remembered. Failures end both legs: a prefill
-that fails, or hands over from another producer than the one the decode waits on (it restarted),
-cancels the decode leg (the decode aborts the request and withdraws its wait: its blocks are
-freed) and, for a changed producer, sends the decode leg again with the real handoff; a decode
-that fails first cancels the prefill leg; a client that goes away cancels both.
+channel) is served sequentially, and its handoff is remembered. So is a request to a prefill
+expected to answer later than ``--concurrent-max-wait-s`` (``Backend.expected_wait_s``: a deep
+queue): its decode would hold blocks meanwhile and could run into its ``load_timeout_s``.
+
+Failures end both legs: a prefill that fails, or hands over from another producer than the one
+the decode waits on (it restarted), cancels the decode leg (the decode aborts the request and
+withdraws its wait: its blocks are freed) and, for a changed producer, sends the decode leg again
+with the real handoff; a decode that fails first cancels the prefill leg; a client that goes away
+cancels both.
 """
 
 from __future__ import annotations
@@ -49,13 +53,17 @@ async def open_both(
     transfer_id = rewrite.new_transfer_id()
     decode: asyncio.Task[OpenDecode] | None = None
     waits_on: dict[str, Any] | None = None  # the producer the decode leg waits on
+    queued = False  # the decode leg waits for the answer: the prefill's queue is too deep
     sent = asyncio.Event()  # a decode leg was sent (it may fail before the prefill answers)
 
     def start_decode(backend: Backend) -> None:
-        nonlocal decode, waits_on
+        nonlocal decode, waits_on, queued
         _cancel(decode)  # a retry on another prefill: the decode waited on the first one
         decode, waits_on = None, backends.producers.get(backend.url)
-        if waits_on is not None:
+        queued = waits_on is not None and (
+            backend.expected_wait_s() > backends.cfg.concurrent_max_wait_s
+        )
+        if waits_on is not None and not queued:
             data = rewrite.decode_body_bytes(raw, body, pending_handoff(waits_on, transfer_id))
             decode = asyncio.create_task(legs.open_decode_ok(backends, ctx, data))
             sent.set()
@@ -76,7 +84,8 @@ async def open_both(
     if decode is not None and waits_on == producer_of(handoff):
         dispatched.labels("concurrent").inc()
         return await decode
-    dispatched.labels("sequential" if decode is None else "resent").inc()
+    how = "resent" if decode is not None else "queued" if queued else "sequential"
+    dispatched.labels(how).inc()
     if decode is not None:  # the decode waits on another producer than the one that holds it
         logger.warning(
             "%s prefill %s handed over from another producer than the decode waited on (it "

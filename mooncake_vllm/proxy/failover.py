@@ -108,6 +108,7 @@ class Reply:
     body: bytes
     content_type: str
     took_s: float
+    in_flight: int = 1  # calls on the backend when this one was sent, itself included
 
 
 class Backends:
@@ -286,7 +287,7 @@ class Backends:
         async def send(backend: Backend, deadline: LegDeadline) -> Reply:
             if before_send is not None:
                 before_send(backend)
-            sent_s = time.monotonic()
+            sent_s, in_flight = time.monotonic(), backend.in_flight
             async with self.session.request(
                 method,
                 backend.url + ctx.path,
@@ -299,7 +300,7 @@ class Backends:
             why = drain.refusal(resp.status, raw) if data is not None else None
             if why is not None:
                 raise drain.BackendDraining(role, backend.url, why)
-            return Reply(resp.status, raw, content_type, time.monotonic() - sent_s)
+            return Reply(resp.status, raw, content_type, time.monotonic() - sent_s, in_flight)
 
         attempt = await self.call(role, ctx, send, repeatable=True)
         attempt.in_flight.release()  # the answer is read: the backend is done with it

@@ -77,11 +77,13 @@ class ProxyMetrics:
             "mooncake_proxy_dispatched",
             "Decode legs under --dispatch concurrent, by how they were sent: concurrent (with "
             "the prefill leg), sequential (the prefill's side channel was not known yet), "
-            "resent (the prefill handed over from another producer than the one awaited).",
+            "queued (sequential: the prefill was expected to answer later than "
+            "--concurrent-max-wait-s), resent (the prefill handed over from another producer "
+            "than the one awaited).",
             ["how"],
             registry=self.registry,
         )
-        for how in ("concurrent", "sequential", "resent"):
+        for how in ("concurrent", "sequential", "queued", "resent"):
             self.dispatched.labels(how)
         for reason in ("concurrency", "rate"):
             self.client_limited.labels(reason)

@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         "concurrent: both at once, the decode waits for the KV (p2p mode) (%(default)s)",
     )
     p.add_argument(
+        "--concurrent-max-wait-s",
+        type=float,
+        default=defaults["concurrent_max_wait_s"].default,
+        help="under --dispatch concurrent, a request whose prefill is expected to answer later "
+        "than this (a deep queue) goes sequentially; keep it below the decode's load_timeout_s "
+        "(%(default)s)",
+    )
+    p.add_argument(
         "--timeout-s",
         type=float,
         default=defaults["timeout_s"].default,
