@@ -324,15 +324,16 @@ def test_in_flight_never_goes_negative():
     assert pool.backends[0].in_flight == 0
 
 
-def test_a_prefills_expected_wait_is_its_legs_in_flight_at_its_time_per_request():
+def test_a_prefills_expected_wait_is_its_bytes_in_flight_at_its_time_per_byte():
     (b,) = _pool(n=1).backends
+    b.bytes_in_flight = 1000
     assert b.expected_wait_s() == 0.0  # nothing known yet
-    b.record_prefill(took_s=2.0, in_flight=4)  # four legs shared it: 0.5 s each
-    b.in_flight = 10
+    b.record_prefill(took_s=2.0, bytes_in_flight=4000)  # it shared the prefill: 0.5 ms a byte
+    b.bytes_in_flight = 10_000  # one long prompt or many short ones
     assert b.expected_wait_s() == pytest.approx(5.0)
-    b.record_prefill(took_s=1.5, in_flight=1)  # an average: each answer moves it a fifth
-    assert b.prefill_s_per_request == pytest.approx(0.5 + 0.2 * (1.5 - 0.5))
-    b.in_flight = 0
+    b.record_prefill(took_s=1.5, bytes_in_flight=1000)  # an average: each answer moves it a fifth
+    assert b.prefill_s_per_byte == pytest.approx(0.0005 + 0.2 * (0.0015 - 0.0005))
+    b.bytes_in_flight = 0
     assert b.expected_wait_s() == 0.0
 
 

@@ -68,8 +68,8 @@ class ProxyConfig(BaseModel):
     # at once; the decode waits for the KV without stepping (``proxy.concurrent``). p2p only.
     dispatch: Literal["sequential", "concurrent"] = "sequential"
     # Under concurrent dispatch, a request whose prefill is expected to answer later than this
-    # (its legs in flight at its recent time per request) goes sequentially: a decode waiting
-    # on a deep prefill queue would hold its blocks and run into its load_timeout_s (30 s).
+    # (the prompt bytes in flight there at its recent time per byte) goes sequentially: a decode
+    # waiting on a deep prefill queue would hold its blocks and run into its load_timeout_s.
     concurrent_max_wait_s: float = Field(10.0, gt=0)
     # The clients' API key: the key itself (shows in process arguments), a file (one key per
     # line: any of them is accepted) or the name of an environment variable; at most one.

@@ -108,7 +108,7 @@ class Reply:
     body: bytes
     content_type: str
     took_s: float
-    in_flight: int = 1  # calls on the backend when this one was sent, itself included
+    bytes_in_flight: int = 0  # request bytes on the backend when this one was sent, its own too
 
 
 class Backends:
@@ -285,22 +285,27 @@ class Backends:
         ``before_send``: told each backend tried, before the call goes to it."""
 
         async def send(backend: Backend, deadline: LegDeadline) -> Reply:
-            if before_send is not None:
-                before_send(backend)
-            sent_s, in_flight = time.monotonic(), backend.in_flight
-            async with self.session.request(
-                method,
-                backend.url + ctx.path,
-                data=data,
-                headers=ctx.headers_for(backend, json_body=data is not None),
-                timeout=self.timeout(deadline.timeout_s),
-            ) as resp:
-                raw = await resp.read()
-                content_type = resp.headers.get("Content-Type", "application/json")
+            size = len(data or b"")
+            backend.bytes_in_flight += size
+            try:
+                if before_send is not None:
+                    before_send(backend)
+                sent_s, bytes_in_flight = time.monotonic(), backend.bytes_in_flight
+                async with self.session.request(
+                    method,
+                    backend.url + ctx.path,
+                    data=data,
+                    headers=ctx.headers_for(backend, json_body=data is not None),
+                    timeout=self.timeout(deadline.timeout_s),
+                ) as resp:
+                    raw = await resp.read()
+                    content_type = resp.headers.get("Content-Type", "application/json")
+            finally:
+                backend.bytes_in_flight -= size
             why = drain.refusal(resp.status, raw) if data is not None else None
             if why is not None:
                 raise drain.BackendDraining(role, backend.url, why)
-            return Reply(resp.status, raw, content_type, time.monotonic() - sent_s, in_flight)
+            return Reply(resp.status, raw, content_type, time.monotonic() - sent_s, bytes_in_flight)
 
         attempt = await self.call(role, ctx, send, repeatable=True)
         attempt.in_flight.release()  # the answer is read: the backend is done with it

@@ -70,7 +70,7 @@ async def prefill(
     backend, reply = attempt.backend, attempt.answer
     backends.metrics.prefill_seconds.labels(backend.url).observe(reply.took_s)
     if 200 <= reply.status < 300:
-        backend.record_prefill(reply.took_s, reply.in_flight)
+        backend.record_prefill(reply.took_s, reply.bytes_in_flight)
     logger.info("%s prefill %s -> %d", ctx.request_id, backend.url, reply.status)
     return _prefill_outcome(backends, ctx, attempt)
 

@@ -84,22 +84,24 @@ class Backend:
     # When it last refused a request because it is shutting down (on the pool's clock); None:
     # not draining, or seen gone since.
     draining_since_s: float | None = None
-    # A prefill's recent leg time divided by the legs it shared the prefill with (an exponential
-    # average; None before its first answer): ``expected_wait_s`` is what a request sent to it
-    # now waits for its KV, for ``--concurrent-max-wait-s``.
-    prefill_s_per_request: float | None = None
+    # Bytes of the request bodies this backend is computing for us (prompts, on a prefill), and
+    # a prefill's recent leg time over the bytes it shared the prefill with (an exponential
+    # average; None before its first answer): ``expected_wait_s``, for
+    # ``--concurrent-max-wait-s``. Bytes, not requests: a long prompt costs more than a short one.
+    bytes_in_flight: int = 0
+    prefill_s_per_byte: float | None = None
 
-    def record_prefill(self, took_s: float, in_flight: int) -> None:
-        """A prefill leg answered in ``took_s`` with ``in_flight`` legs (itself included) on
-        this backend when it was sent."""
-        sample = took_s / max(in_flight, 1)
-        prev = self.prefill_s_per_request
-        self.prefill_s_per_request = sample if prev is None else prev + 0.2 * (sample - prev)
+    def record_prefill(self, took_s: float, bytes_in_flight: int) -> None:
+        """A prefill leg answered in ``took_s``; ``bytes_in_flight`` were on this backend when
+        it was sent, its own included."""
+        sample = took_s / max(bytes_in_flight, 1)
+        prev = self.prefill_s_per_byte
+        self.prefill_s_per_byte = sample if prev is None else prev + 0.2 * (sample - prev)
 
     def expected_wait_s(self) -> float:
-        """Seconds until a prefill leg sent now (counted in ``in_flight``) answers, estimated:
-        every leg in flight at the recent time per request. 0 before the first answer."""
-        return self.in_flight * (self.prefill_s_per_request or 0.0)
+        """Seconds until the prefill answers a leg sent now (counted in ``bytes_in_flight``),
+        estimated: every byte in flight at the recent time per byte. 0 before the first answer."""
+        return self.bytes_in_flight * (self.prefill_s_per_byte or 0.0)
 
     def snapshot(self, now_s: float) -> dict[str, Any]:
         return {
