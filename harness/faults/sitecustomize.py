@@ -4,7 +4,8 @@ Python imports this module at the start of every process with this directory on 
 (``harness.faults.freeze_after_grant_env``). It does nothing unless the process is a lease server
 (``python -m mooncake_vllm.p2p.leases.process``) and MOONCAKE_VLLM_TEST_FREEZE_TRIGGER names a
 trigger file. Then, on the first grant after the test creates that file, it deletes the file and
-SIGSTOPs the worker of the granting TP rank, before the ``Granted`` reply is sent.
+SIGSTOPs the worker of the granting TP rank and waits until all its threads have stopped, before
+the ``Granted`` reply is sent.
 
 The seams it relies on in the connector: ``LeaseServer._servers`` (one ``SideChannelServer`` per
 TP rank), ``LeaseServer._layouts[rank].worker_pid``, and ``SideChannelServer._on_grant`` (called
@@ -15,6 +16,7 @@ import builtins
 import os
 import signal
 import sys
+import time
 
 TRIGGER_ENV = "MOONCAKE_VLLM_TEST_FREEZE_TRIGGER"  # harness.faults.FREEZE_TRIGGER_ENV
 LEASE_SERVER = "mooncake_vllm.p2p.leases.process"
@@ -36,9 +38,32 @@ def _freeze_on_next_armed_grant(server, trigger: str) -> None:
                 os.unlink(trigger)  # armed: freeze this once
             except FileNotFoundError:
                 return
-            os.kill(server._layouts[rank].worker_pid, signal.SIGSTOP)
+            pid = server._layouts[rank].worker_pid
+            os.kill(pid, signal.SIGSTOP)
+            _wait_until_stopped(pid)
 
         side_channel._on_grant = on_grant
+
+
+def _wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Returns once every thread of ``pid`` is stopped. ``kill`` only queues SIGSTOP: one thread
+    takes it and then stops the others, and until it has run, another thread woken by the
+    consumer's read (the transfer engine's io thread) can still serve it. On two busy cores that
+    took long enough for a read to beat the stop."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+            states = []
+            for tid in tasks:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread ended while listed: look again
+            continue
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.0005)
+    raise RuntimeError(f"worker {pid} not stopped {timeout_s} s after SIGSTOP")
 
 
 def _install(trigger: str) -> None:
