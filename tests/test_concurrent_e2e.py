@@ -84,6 +84,37 @@ async def test_concurrent_dispatch_is_token_exact_and_every_prompt_arrives_by_tr
     await eventually(lambda: nothing_held(pd.prefill) and nothing_held(pd.decode), 10, "freed")
 
 
+async def test_past_the_expected_wait_a_burst_goes_sequentially_and_every_request_is_served(
+    pd, http, start_proxy
+):
+    """``--concurrent-max-wait-s``: once the prompts in flight at the prefill are expected to
+    take longer than it (here 0.5 s; the proxy learnt a time per byte from its first, 3-token
+    request), the decode legs of the rest wait for the prefill's answer; all are token-exact
+    and pulled."""
+    proxy = await concurrent_proxy(http, start_proxy, pd, concurrent_max_wait_s=0.5)
+    batch = prompts(76, [1500] * 6)
+    pulls = pd.decode.metric("mooncake_vllm:pulls_total")
+    failures = pd.decode.metric("mooncake_vllm:pull_failures_total")
+    bodies = [greedy_body(pd.model, p, MAX_TOKENS) for p in batch]
+    got = await asyncio.gather(*(complete(http, proxy, b) for b in bodies))  # all at once
+    for answer, body in zip(got, bodies, strict=True):
+        assert answer.token_ids == (await complete(http, pd.plain, body)).token_ids
+    await eventually(
+        lambda: pd.decode.metric("mooncake_vllm:pulls_total") - pulls == len(batch), 10, "pulls"
+    )
+    assert pd.decode.metric("mooncake_vllm:pull_failures_total") == failures
+    async with http.get(proxy + "/metrics") as resp:
+        text = await resp.text()
+    how = {
+        line.split('how="')[1].split('"')[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("mooncake_proxy_dispatched_total{")
+    }
+    assert how["queued"] >= 1 and how["concurrent"] + how["queued"] == len(batch), how
+    print(f"dispatched: {how}")
+    await eventually(lambda: nothing_held(pd.prefill) and nothing_held(pd.decode), 10, "freed")
+
+
 async def test_a_prefill_that_fails_cancels_the_waiting_decode_and_frees_its_blocks(
     pd, http, start_proxy
 ):
