@@ -40,6 +40,7 @@ async def _burst(proxy, decode, model: str, prompts: list[list[int]], warmup: li
         start = time.monotonic()
         statuses = await asyncio.gather(*(one(session, p) for p in prompts))
         took_s = time.monotonic() - start
+        await asyncio.sleep(2.0)  # vLLM publishes a step's counters a moment after its output
     ok = statuses.count(200)
     how = {
         h: proxy.metric("mooncake_proxy_dispatched_total", how=h) for h in ("concurrent", "queued")
