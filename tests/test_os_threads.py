@@ -7,10 +7,12 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 from mooncake_vllm.core import os_threads
+from mooncake_vllm.core.settings import SharedSettings
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="Linux only")
 
@@ -116,3 +118,8 @@ def test_adopted_native_threads_are_named_and_realtime_only_under_that_policy(po
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="thread_priority='fast'"):
         os_threads.set_policy("fast")
+
+
+def test_the_setting_accepts_exactly_the_policies():
+    field = SharedSettings.model_fields["thread_priority"]
+    assert get_args(field.annotation) == os_threads.POLICIES

@@ -37,15 +37,18 @@ def name_this_thread(name: str) -> None:
 
 
 _priority_refused = False
-Policy = str  # "off" | "nice" | "realtime"
+Policy = str  # one of POLICIES
+# The accepted values of the ``thread_priority`` setting (``settings.Settings``'s Literal).
+POLICIES = ("off", "nice", "realtime")
 _policy: Policy = "nice"
 
 
 def set_policy(policy: Policy) -> None:
     """The process's ``thread_priority`` (set once, when a connector is built)."""
     global _policy
-    if policy not in ("off", "nice", "realtime"):
-        raise ValueError(f"thread_priority={policy!r}: accepted 'off', 'nice', 'realtime'")
+    if policy not in POLICIES:
+        accepted = ", ".join(map(repr, POLICIES))
+        raise ValueError(f"thread_priority={policy!r}: accepted {accepted}")
     _policy = policy
 
 

@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttl-s", type=float, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument(
-        "--thread-priority", required=True, choices=("off", "nice", "realtime"),
+        "--thread-priority", required=True, choices=os_threads.POLICIES,
         help="the worker's thread_priority policy",
     )  # fmt: skip
     args = parser.parse_args(argv)
