@@ -15,6 +15,7 @@ import secrets
 import pytest
 
 from harness.pd import complete, eventually, greedy_body, tokens_by_transfer
+from tests.test_proxy_faults import metric_value
 
 pytestmark = pytest.mark.servers
 
@@ -103,12 +104,9 @@ async def test_past_the_expected_wait_a_burst_goes_sequentially_and_every_reques
         lambda: pd.decode.metric("mooncake_vllm:pulls_total") - pulls == len(batch), 10, "pulls"
     )
     assert pd.decode.metric("mooncake_vllm:pull_failures_total") == failures
-    async with http.get(proxy + "/metrics") as resp:
-        text = await resp.text()
     how = {
-        line.split('how="')[1].split('"')[0]: float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("mooncake_proxy_dispatched_total{")
+        h: await metric_value(http, proxy, f'mooncake_proxy_dispatched_total{{how="{h}"}}')
+        for h in ("concurrent", "queued")
     }
     assert how["queued"] >= 1 and how["concurrent"] + how["queued"] == len(batch), how
     print(f"dispatched: {how}")
