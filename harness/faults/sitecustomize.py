@@ -53,14 +53,13 @@ def _wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            tasks = os.listdir(f"/proc/{pid}/task")
             states = []
-            for tid in tasks:
+            for tid in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
                     states.append(f.read().rsplit(")", 1)[1].split()[0])
         except FileNotFoundError:  # a thread ended while listed: look again
-            continue
-        if all(state in ("T", "t") for state in states):
+            states = None
+        if states is not None and all(state in ("T", "t") for state in states):
             return
         time.sleep(0.0005)
     raise RuntimeError(f"worker {pid} not stopped {timeout_s} s after SIGSTOP")
