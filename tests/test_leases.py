@@ -7,7 +7,8 @@ import pytest
 from vllm.v1.core.block_pool import BlockPool
 
 from mooncake_vllm.core.loads import BlockPins
-from mooncake_vllm.p2p.leases.table import LeaseState, LeaseTable, NotOwner
+from mooncake_vllm.p2p.leases.table import NOT_YET, LeaseState, LeaseTable, NotOwner
+from mooncake_vllm.p2p.protocol import ALL_LAYERS
 
 # ---- leases ---------------------------------------------------------------------------------
 
@@ -50,6 +51,76 @@ def test_hold_acquire_release(clock):
     assert t.take_finished() == {"req-1"}
     assert t.take_finished() == set()  # reported once
     assert t.ended_counts == {"released": 1}
+
+
+# ---- leases opened while their prefill computes (layerwise_handoff) ---------------------------
+
+
+def _computing(clock, marks_needed=1) -> LeaseTable:
+    t = LeaseTable(10.0, 1000, 5.0, clock=clock, marks_needed=marks_needed)
+    t.add("req-1", "t-1", [3, 4], 100, handoff="h", computing=True, layers=3)
+    return t
+
+
+def test_a_computing_lease_is_granted_only_to_pending_acquires_that_take_layers(clock):
+    t = _computing(clock)
+    assert t.acquire("t-1", [3, 4], A) is NOT_YET  # a handoff's acquire: not before the end
+    assert t.acquire("t-1", [], A, pending=True) is NOT_YET  # waits for the end
+    lease = t.acquire("t-1", [], B, pending=True, layers_ok=True)
+    assert lease.state is LeaseState.PULLING and lease.ready == 0
+    # Its blocks belong to the running request: no budget, no held bytes, never evicted.
+    assert t.held_bytes == 0
+    t.add("req-2", "t-2", [5], 1000)
+    assert t.is_live("t-1") and t.is_live("t-2")
+
+
+def test_layers_are_ready_once_every_rank_wrote_them_and_all_once_finished(clock):
+    t = _computing(clock, marks_needed=2)
+    t.acquire("t-1", [], A, pending=True, layers_ok=True)
+    assert t.mark("t-1", 1) and t.progress("t-1", A) == 0  # one rank of two
+    t.mark("t-1", 1)
+    t.mark("t-1", 0)
+    assert t.progress("t-1", A) == 0b010
+    assert not t.mark("t-1", 7) and not t.mark("t-9", 0)  # no such layer or lease
+    assert t.progress("t-1", B) == "transfer t-1 was not acquired by this peer"
+    t.add("req-1", "t-1", [3, 4], 100)  # the request finished: its blocks are held now
+    assert t.progress("t-1", A) == ALL_LAYERS and t.held_bytes == 100
+    assert not t.mark("t-1", 2)
+    t.release("t-1", A)
+    assert t.take_finished() == {"req-1"}
+
+
+def test_a_lease_read_before_its_request_finished_is_freed_only_when_it_does(clock):
+    t = _computing(clock)
+    t.acquire("t-1", [], A, pending=True, layers_ok=True)
+    t.release("t-1", A)
+    assert not t.is_live("t-1")
+    assert t.take_finished() == set()  # the request still runs on these blocks
+    t.add("req-1", "t-1", [3, 4], 100)
+    assert t.take_finished() == {"req-1"} and not t.is_live("t-1")
+
+
+def test_an_aborted_prefill_refuses_its_reader_and_frees_after_its_release(clock):
+    t = _computing(clock)
+    t.acquire("t-1", [], A, pending=True, layers_ok=True)
+    t.abort("req-1", "t-1")
+    assert "ended without a handover" in t.progress("t-1", A)
+    assert "ended without a handover" in t.acquire("t-1", [], B, pending=True, layers_ok=True)
+    assert t.take_finished() == set()  # the reader may still be reading
+    t.release("t-1", A, ok=False)
+    assert t.take_finished() == {"req-1"}
+
+
+def test_an_aborted_prefill_nobody_acquired_is_freed_at_once(clock):
+    t = _computing(clock)
+    t.abort("req-1", "t-1")
+    assert t.take_finished() == {"req-1"} and t.ended_reason("t-1") == "aborted"
+    t2 = _computing(clock)
+    clock.now_s += 11  # expired while computing: freed once the request ends
+    t2.expire()
+    assert t2.take_finished() == set()
+    t2.abort("req-1", "t-1")
+    assert t2.take_finished() == {"req-1"}
 
 
 def test_acquire_of_unknown_id_is_not_refused_yet(clock):

@@ -23,6 +23,8 @@ from mooncake_vllm.core.planning import producer_rank_for
 from mooncake_vllm.p2p import protocol
 from mooncake_vllm.p2p.config import load_settings, resolve
 from mooncake_vllm.p2p.leases.client import MAX_READERS, RankLayout
+from mooncake_vllm.p2p.leases.process import LayerDone, encode
+from mooncake_vllm.p2p.local_channels import layers_endpoint
 from mooncake_vllm.p2p.scheduler import SchedulerHalf
 from mooncake_vllm.p2p.side_channel import CallCancelled, SideChannelClient
 
@@ -696,3 +698,108 @@ def test_a_malformed_pending_handoff_is_rejected_through_the_policy(consumer, ch
     consumer.update_state_after_alloc(req, Blocks([7, 8, 9]), 300)
     (load,) = consumer.build_connector_meta(STEP).loads
     assert load.handoff is None and error in load.error
+
+
+# ---- layer by layer (layerwise_handoff) --------------------------------------------------------
+
+
+@pytest.fixture
+def layerwise_producer():
+    port = free_port_run(2)
+    settings = load_settings(
+        {"prefill_url": f"127.0.0.1:{port}", "layerwise_handoff": True}, env={}
+    )
+    half = SchedulerHalf(resolve(settings, "kv_producer", "prefill", 1), BLOCK, HASH)
+    layers = [protocol.MemSegment(1000 * i, 1000, 1000) for i in range(3)]
+    half.set_layouts({0: RankLayout("127.0.0.1:1", layers, worker_pid=0)})
+    push = zmq.Context.instance().socket(zmq.PUSH)  # what the producer's workers send on
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(layers_endpoint(half._cfg.host, half._cfg.base_port))
+    client = SideChannelClient()
+    yield half, push, client, f"127.0.0.1:{half._cfg.side_channel_port(0)}"
+    client.close()
+    push.close()
+    half.shutdown()
+
+
+def _last_step(half, req_id: str, tid: str, prompt_len: int = 300, scheduled: int = 300):
+    """vLLM's calls for a prefill request scheduled now (its whole prompt unless ``scheduled``
+    says less): the step's metadata."""
+    req = request(req_id, prompt_len, {"do_remote_decode": True, "transfer_id": tid})
+    half.update_state_after_alloc(req, Blocks([5, 6, 7]), 0)
+    new = SimpleNamespace(req_id=req_id, block_ids=([5, 6, 7],), num_computed_tokens=0)
+    step = SimpleNamespace(
+        total_num_scheduled_tokens=scheduled, finished_req_ids=set(),
+        scheduled_new_reqs=[new], num_scheduled_tokens={req_id: scheduled},
+    )  # fmt: skip
+    return req, half.build_connector_meta(step)
+
+
+def _mark(push, meta, layer: int, token: bytes | None = None) -> None:
+    done = LayerDone(meta.layers_token if token is None else token, 0, layer, meta.layer_marks)
+    push.send(encode(done))
+
+
+def test_layers_are_granted_as_the_workers_write_them_and_all_once_the_prefill_finished(
+    layerwise_producer,
+):
+    half, push, client, address = layerwise_producer
+    tid, owner = "ab" * 16, b"o" * protocol.OWNER_BYTES
+    pending = protocol.Acquire(tid, [], owner, 1, "", wait_ms=5000, layers_ok=True)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.call, address, pending, 5)
+        time.sleep(0.2)
+        assert not waiting.done()  # the prefill is not scheduled yet
+        req, meta = _last_step(half, "p1", tid)
+        assert meta.layer_marks == [tid] and len(meta.layers_token) == 16
+        granted = waiting.result(timeout=5)
+    assert isinstance(granted, protocol.Granted) and granted.ready == 0
+    assert granted.handoff.remote_block_ids == [5, 6, 7] and granted.handoff.prompt_len == 300
+    _mark(push, meta, 2)
+    assert client.call(address, protocol.Await(tid, owner, 0, 3000), 5) == protocol.Progress(
+        tid, 0b100
+    )
+    _mark(push, meta, 0, token=b"x" * 16)  # another local process cannot mark a layer
+    t0 = time.monotonic()
+    unchanged = client.call(address, protocol.Await(tid, owner, 0b100, 300), 5)
+    assert unchanged == protocol.Progress(tid, 0b100) and time.monotonic() - t0 >= 0.25
+    req.status, req.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 300
+    held, params = half.request_finished(req, [5, 6, 7, 8])
+    assert held and protocol.parse_handoff(params) == granted.handoff
+    done = client.call(address, protocol.Await(tid, owner, 0b100, 3000), 5)
+    assert done == protocol.Progress(tid, protocol.ALL_LAYERS)
+    assert half.build_connector_meta(STEP).finished_sending == set()  # still acquired
+    client.call(address, protocol.Release(tid, True, owner), timeout_s=5)
+    assert half.build_connector_meta(STEP).finished_sending == {"p1"}
+
+
+def test_an_aborted_prefill_refuses_its_reader_and_holds_the_blocks_until_released(
+    layerwise_producer,
+):
+    half, _, client, address = layerwise_producer
+    tid, owner = "cd" * 16, b"o" * protocol.OWNER_BYTES
+    req, _ = _last_step(half, "p1", tid)
+    pending = protocol.Acquire(tid, [], owner, 1, "", wait_ms=5000, layers_ok=True)
+    assert client.call(address, pending, 5).ready == 0
+    # An acquire that does not take layers as they come waits for the end.
+    other = protocol.Acquire(tid, [], b"x" * protocol.OWNER_BYTES, 1, "", wait_ms=300)
+    assert "within 0.3s" in client.call(address, other, 5).reason
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert half.request_finished(req, [5, 6, 7]) == (True, None)  # kept: it may be read
+    refused = client.call(address, protocol.Await(tid, owner, 0, 3000), 5)
+    assert isinstance(refused, protocol.Refused) and "without a handover" in refused.reason
+    assert half.build_connector_meta(STEP).finished_sending == set()
+    client.call(address, protocol.Release(tid, False, owner), timeout_s=5)
+    assert half.build_connector_meta(STEP).finished_sending == {"p1"}
+
+
+def test_a_prompt_prefilled_in_chunks_is_held_when_it_finishes(layerwise_producer):
+    half, _, client, address = layerwise_producer
+    tid = "ef" * 16
+    req, meta = _last_step(half, "p1", tid, scheduled=128)  # a first chunk
+    assert meta.layer_marks == []
+    req.status, req.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 300
+    held, params = half.request_finished(req, [5, 6, 7])
+    assert held and protocol.parse_handoff(params).transfer_id == tid
+    acquire = protocol.Acquire(tid, [], b"o" * protocol.OWNER_BYTES, 1, "", 1000, True)
+    assert client.call(address, acquire, 5).ready == protocol.ALL_LAYERS

@@ -8,11 +8,15 @@ import time
 
 import msgspec
 import pytest
+import torch
+import zmq
 
 from mooncake_vllm.core.auth import new_secret, seal_record
 from mooncake_vllm.core.registry import EngineRecord, encode_record, registry_key
 from mooncake_vllm.p2p import protocol
 from mooncake_vllm.p2p.config import load_settings, resolve
+from mooncake_vllm.p2p.leases.process import LayerDone
+from mooncake_vllm.p2p.local_channels import layers_endpoint
 from mooncake_vllm.p2p.side_channel import CallCancelled
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.p2p.worker import WorkerHalf
@@ -594,3 +598,99 @@ def test_a_pending_pull_checks_the_granted_handoff_before_a_byte_moves(engine, c
     worker.shutdown()
     acquire, release = channel.frames
     assert release == protocol.Release(TID, False, acquire.owner)
+
+
+# ---- layer by layer (the producer's layerwise_handoff) ------------------------------------------
+
+LOCAL_1 = protocol.MemSegment(base_addr=30_000, block_stride=BLOCK, block_len=BLOCK)
+REMOTE_1 = protocol.MemSegment(base_addr=40_000, block_stride=BLOCK, block_len=BLOCK)
+
+
+class LayeredSideChannel(PendingSideChannel):
+    """A producer that grants while its prefill computes (layer 0 of 2 written), then answers
+    each ``Await`` with the next of ``progress``."""
+
+    def __init__(self, handoff, progress):
+        super().__init__(handoff)
+        self.finish.set()
+        self.progress = list(progress)
+        self.submitted_before: list[int] = []  # reads submitted before each await
+
+    def call(self, address, frame, timeout_s, cancelled=None):
+        if isinstance(frame, protocol.Acquire) and frame.wait_ms:
+            self.frames.append(frame)
+            segments = [REMOTE, REMOTE_1]
+            return protocol.Granted(TID, "producer:1", segments, "inc", self.handoff, ready=0b01)
+        if isinstance(frame, protocol.Await):
+            self.frames.append(frame)
+            self.submitted_before.append(len(self.engine.submitted))
+            return self.progress.pop(0)
+        return super().call(address, frame, timeout_s, cancelled)
+
+
+def test_a_pull_granted_while_the_prefill_computes_reads_each_layer_as_it_is_written(engine):
+    engine.done.set()
+    channel = LayeredSideChannel(
+        granted_handoff(),
+        [protocol.Progress(TID, 0b11), protocol.Progress(TID, protocol.ALL_LAYERS)],
+    )
+    channel.engine = engine
+    worker = make_worker(engine, channel, load_timeout_s=5.0)
+    worker._segments = [LOCAL, LOCAL_1]
+    worker.start_load_kv(pending_load())
+    recving, failed, settled = collect_until(worker, lambda r, f, s: s)
+    assert (recving, failed, settled) == ({"req-1"}, set(), ["req-1"])
+    acquire, first, last, release = channel.frames
+    assert acquire.layers_ok and first.known == 0b01 and last.known == 0b11
+    # The warm-up, then blocks 1-2 of layer 0 (one entry) before the first await and those of
+    # layer 1 after it; and the pull is done only once the prefill has finished.
+    warm_up, layer0, layer1 = REMOTE.base_addr, REMOTE.base_addr + BLOCK, REMOTE_1.base_addr + BLOCK
+    assert engine.submitted == [warm_up, layer0, layer1]
+    assert channel.submitted_before == [2, 3]
+    assert release == protocol.Release(TID, True, acquire.owner)
+    stats = worker.get_stats().data
+    assert (stats["pulls"], stats["layered"], stats["pull_failures"]) == (1, 1, 0)
+    worker.shutdown()
+
+
+def test_a_prefill_aborted_while_its_layers_are_read_fails_the_pull(engine):
+    engine.done.set()
+    refused = protocol.Refused(TID, "the prefill of transfer abab ended without a handover")
+    channel = LayeredSideChannel(granted_handoff(), [refused])
+    channel.engine = engine
+    worker = make_worker(engine, channel, load_timeout_s=5.0)
+    worker._segments = [LOCAL, LOCAL_1]
+    worker.start_load_kv(pending_load())
+    recving, failed, _ = collect_until(worker, lambda r, f, s: s)
+    assert (recving, failed) == ({"req-1"}, {"req-1"})  # through vLLM's failure policy
+    *_, release = channel.frames
+    assert release.ok is False
+    assert worker.get_stats().data["pull_failures"] == 1
+    worker.shutdown()
+
+
+def test_a_producer_worker_marks_each_layer_of_the_prompts_its_step_completes():
+    settings = load_settings({"prefill_url": "127.0.0.1:17100", "layerwise_handoff": True}, env={})
+    cfg = resolve(settings, "kv_producer", "producer", 1)
+    worker = WorkerHalf(cfg, 0, "hash", 8)
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.bind(layers_endpoint(cfg.host, cfg.base_port))
+    names = [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 10, 2)]
+    kv = {name: torch.zeros(8, 4) for name in names}
+    try:
+        worker._open_marks(kv, [LOCAL] * len(kv))
+        worker.start_load_kv(MooncakeConnectorMetadata(layer_marks=[TID], layers_token=b"k"))
+        worker.save_layer("model.layers.2.self_attn.attn")
+        assert pull.poll(2000)
+        done = msgspec.msgpack.decode(pull.recv(), type=LayerDone)
+        # Segment order is vLLM's names sorted as strings: layer 2 is the fourth segment.
+        assert done == LayerDone(b"k", 0, 3, [TID])
+        worker.start_load_kv(MooncakeConnectorMetadata())  # a step that completes no prompt
+        worker.save_layer("model.layers.0.self_attn.attn")
+        assert not pull.poll(200)
+        with pytest.raises(RuntimeError, match="one KV tensor per layer"):
+            worker._open_marks(kv, [LOCAL] * 8)
+    finally:
+        worker.shutdown()
+        pull.close()

@@ -59,6 +59,10 @@ class MooncakeSettings(SharedSettings):
     # Consumer: staging memory per TP rank for pulls from a producer of another block size
     # (core.reblock), allocated and registered at startup; 0 refuses other block sizes.
     reblock_buffer_bytes: int = Field(64 << 20, ge=0)
+    # Producer: open a prompt's lease in its prefill's last step and tell consumers each layer as
+    # it is written, so a decode sent with the prefill (the proxy's --dispatch concurrent) pulls
+    # while the prefill computes. CPU KV caches only.
+    layerwise_handoff: bool = False
     # With a metadata store: the OpenAI base URL published for ``proxy_server.py --discover``.
     # Default: the vLLM API server's --host/--port (see ``serving_url``).
     advertise_url: str | None = None

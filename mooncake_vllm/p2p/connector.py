@@ -54,6 +54,21 @@ class MooncakeHandshake(KVConnectorHandshakeMetadata):
     worker_pid: int
 
 
+def check_layerwise(vllm_config: VllmConfig) -> None:
+    """``layerwise_handoff`` marks a layer written when vLLM calls ``save_kv_layer``: true on
+    CPU, where the cache update runs before it on the same thread and the scheduler waits for
+    each step's output before the next (no step can free a finishing request's blocks)."""
+    from mooncake_vllm.core.settings import ConfigError
+
+    device = vllm_config.device_config.device_type
+    if device != "cpu" or vllm_config.scheduler_config.async_scheduling:
+        raise ConfigError(
+            f"layerwise_handoff=true is built for vLLM's CPU backend without async scheduling "
+            f"(this engine: device {device!r}, async_scheduling "
+            f"{vllm_config.scheduler_config.async_scheduling}); set layerwise_handoff to false"
+        )
+
+
 class MooncakeConnector(HalvesConnector):
     metadata_type = MooncakeConnectorMetadata
     stats_type = MooncakeStats
@@ -71,6 +86,8 @@ class MooncakeConnector(HalvesConnector):
         )
         self._scheduler: SchedulerHalf | None = None
         self._worker = None
+        if settings.layerwise_handoff and self._cfg.is_producer:
+            check_layerwise(vllm_config)
         model_identity = engine_model_identity(vllm_config, settings.model_identity)
         # Any TP size and block size on either side: the consumer re-lays the KV out.
         compat = engine_compat_hash(vllm_config, model_identity, any_layout=True)
@@ -110,7 +127,10 @@ class MooncakeConnector(HalvesConnector):
     # ---- worker side ---------------------------------------------------------------------
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return  # pull design: the producer saves nothing, consumers read its blocks
+        # Pull design: the producer saves nothing, consumers read its blocks; with
+        # layerwise_handoff it says which layers are written.
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         return

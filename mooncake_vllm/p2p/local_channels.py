@@ -4,6 +4,8 @@
   happened (a pull ended, a pull's deadline passed). While no request can run, the scheduler half
   waits for that (or for a new request) instead of letting vLLM step every millisecond: every step
   wakes vLLM's workers, whose message-queue readers then busy-wait for a second.
+- **layer marks**, producer workers → lease server (``layerwise_handoff``): a layer of the
+  prompts finishing in this step is written (``leases.process.LayerDone``).
 - **claim**: a producer worker holds its address (an abstract socket named after it) for its
   lifetime, so a second engine configured with the same address fails before its transfer engine
   can publish metadata over ours.
@@ -26,6 +28,11 @@ logger = logging.getLogger(__name__)
 
 def wake_endpoint(host: str, base_port: int) -> str:
     return f"ipc://@mooncake-vllm/{host}:{base_port}/wake"
+
+
+def layers_endpoint(host: str, base_port: int) -> str:
+    """Where a producer's workers send ``LayerDone`` to its lease server (``layerwise_handoff``)."""
+    return f"ipc://@mooncake-vllm/{host}:{base_port}/layers"
 
 
 def claim(host: str, port: int) -> zmq.Socket:

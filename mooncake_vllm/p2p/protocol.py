@@ -187,6 +187,8 @@ def validate_handoff(
 FRAME_VERSION = 3
 # Owner tokens: random per pull, so only the peer that acquired a lease can release it.
 OWNER_BYTES = 16
+# ``Granted.ready`` / ``Progress.ready`` once the prefill has finished: every layer is written.
+ALL_LAYERS = -1
 
 
 def _tag(kind: str) -> str:
@@ -211,6 +213,9 @@ class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     # A pending handoff's acquire (no blocks, no incarnation yet): the producer answers it when
     # the lease exists, or refuses it after this long.
     wait_ms: int = 0
+    # A pending acquire that takes a grant while the prefill still computes (``Granted.ready``;
+    # a producer with ``layerwise_handoff``); the rest of the layers come in ``Progress``.
+    layers_ok: bool = False
 
 
 class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):
@@ -221,11 +226,32 @@ class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):
     segments: list[MemSegment]
     incarnation: str = ""
     handoff: Handoff | None = None  # to a pending acquire: the handoff it waited for
+    # ALL_LAYERS: the prefill has finished, every layer can be read. Else (a ``layers_ok``
+    # acquire) a bitmask of the layers, in segment order, whose KV is written so far.
+    ready: int = ALL_LAYERS
 
 
 class Refused(msgspec.Struct, tag=_tag("refused"), frozen=True):
     transfer_id: str
     reason: str
+
+
+class Await(msgspec.Struct, tag=_tag("await"), frozen=True):
+    """Consumer → producer, by the owner of a grant given while the prefill computes: answer
+    when the ready layers differ from ``known`` (or the prefill has finished or failed), or
+    after ``wait_ms``."""
+
+    transfer_id: str
+    owner: bytes
+    known: int
+    wait_ms: int
+
+
+class Progress(msgspec.Struct, tag=_tag("progress"), frozen=True):
+    """Producer → consumer: the layers ready now (``ALL_LAYERS``: the prefill has finished)."""
+
+    transfer_id: str
+    ready: int
 
 
 class Release(msgspec.Struct, tag=_tag("release"), frozen=True):
@@ -241,7 +267,7 @@ class Released(msgspec.Struct, tag=_tag("released"), frozen=True):
     transfer_id: str
 
 
-Frame = Acquire | Granted | Refused | Release | Released
+Frame = Acquire | Granted | Refused | Release | Released | Await | Progress
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
 

@@ -2,7 +2,10 @@
 
 Producer: ``request_finished`` keeps the prompt's blocks of every request whose prompt KV is
 complete (length cap and stop/EOS alike), opens a lease for them through the next step's metadata,
-and returns the ``Handoff`` as ``kv_transfer_params``.
+and returns the ``Handoff`` as ``kv_transfer_params``. With ``layerwise_handoff`` the lease opens
+earlier, computing, in the step that completes the prompt (``build_connector_meta``), so that a
+decode waiting on it (a pending handoff) reads each layer as the workers write it;
+``request_finished`` then finishes it, or aborts it.
 
 Consumer: ``get_num_new_matched_tokens`` claims the prompt tokens the local prefix cache lacks as
 an asynchronous external load; ``update_state_after_alloc`` validates the handoff and records the
@@ -121,6 +124,11 @@ class SchedulerHalf:
         self._remember_ids = remember_ids
         # Producer: the transfer ids it has used (bounded), never taken again from a client.
         self._issued: OrderedDict[str, None] = OrderedDict()
+        # Producer, ``layerwise_handoff``: requests to hand over, until their last prefill step
+        # is scheduled; then the handoff of their lease opened computing, until they finish.
+        self._layerwise = cfg.is_producer and cfg.settings.layerwise_handoff
+        self._producing: dict[str, Request] = {}
+        self._early: dict[str, Handoff] = {}
 
     # ---- consumer ------------------------------------------------------------------------
 
@@ -154,6 +162,8 @@ class SchedulerHalf:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
+        if self._layerwise and params and params.get("do_remote_decode"):
+            self._producing[request.request_id] = request
         if not (self._cfg.is_consumer and params and params.get("do_remote_prefill")):
             return
         # Called again once the load is done: this flag makes that call (and any later
@@ -275,10 +285,17 @@ class SchedulerHalf:
         params = request.kv_transfer_params
         if not (self._cfg.is_producer and params and params.get("do_remote_decode")):
             return False, None
+        self._producing.pop(request.request_id, None)
+        early = self._early.pop(request.request_id, None)
         prompt_len = request.num_prompt_tokens
-        if request.status not in _HANDOVER_STATUSES or request.num_computed_tokens < prompt_len:
-            return False, None  # aborted or incomplete: nothing to hand over, free now
         num_blocks = -(-prompt_len // self._block_size)
+        complete = (
+            request.status in _HANDOVER_STATUSES and request.num_computed_tokens >= prompt_len
+        )
+        if early is not None:
+            return self._finish_early(request, early, list(block_ids[:num_blocks]), complete)
+        if not complete:
+            return False, None  # aborted or incomplete: nothing to hand over, free now
         if len(block_ids) < num_blocks:
             logger.warning(
                 "request %s: %d blocks for %d tokens",
@@ -289,25 +306,76 @@ class SchedulerHalf:
             return False, None
         transfer_id = self._new_transfer_id(params.get("transfer_id"))
         prompt_block_ids = list(block_ids[:num_blocks])
-        handoff = Handoff(
+        handoff = self._handoff(request, transfer_id, prompt_block_ids)
+        # Held before the handoff leaves this process: an acquire never waits for a step (and a
+        # pending one, sent with the prefill leg, is answered by this hold).
+        if not self._leases.hold(request.request_id, transfer_id, prompt_block_ids, handoff):
+            return False, None
+        return True, handoff.to_params()
+
+    def _finish_early(
+        self, request: Request, handoff: Handoff, block_ids: list[int], complete: bool
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` for a lease opened computing: hold the blocks and hand over, or
+        (aborted, or not the blocks it was opened on) keep them until its readers are done."""
+        assert self._leases is not None
+        req_id, tid = request.request_id, handoff.transfer_id
+        if complete and block_ids == handoff.remote_block_ids:
+            if self._leases.hold(req_id, tid, block_ids, handoff):
+                return True, handoff.to_params()
+            return False, None  # the lease server is gone: no consumer can read these blocks
+        if complete:
+            logger.error(
+                "request %s: prompt blocks %s at the end, %s when its lease opened; not handed "
+                "over",
+                req_id,
+                block_ids,
+                handoff.remote_block_ids,
+            )
+        self._leases.abort(req_id, tid, handoff.remote_block_ids)
+        return True, None  # freed once the lease has ended (``take_finished``)
+
+    def _open_computing(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """``layerwise_handoff``: opens a lease, computing, for each request to hand over whose
+        prompt this step completes in one go (a prompt prefilled in chunks, or resumed, is held
+        when it finishes, as without the setting); their transfer ids, for the workers' marks."""
+        opened: list[str] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self._producing.pop(new.req_id, None)
+            if request is None:
+                continue
+            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            prompt_len = request.num_prompt_tokens
+            if new.num_computed_tokens + scheduled < prompt_len:
+                continue
+            num_blocks = -(-prompt_len // self._block_size)
+            block_ids = list(new.block_ids[0][:num_blocks])
+            if len(block_ids) < num_blocks:
+                continue
+            params = request.kv_transfer_params or {}
+            tid = self._new_transfer_id(params.get("transfer_id"))
+            handoff = self._handoff(request, tid, block_ids)
+            if self._leases.hold(new.req_id, tid, block_ids, handoff, computing=True):
+                self._early[new.req_id] = handoff
+                opened.append(tid)
+        self._producing.clear()  # not completed in its first step: held when it finishes
+        return opened
+
+    def _handoff(self, request: Request, transfer_id: str, block_ids: list[int]) -> Handoff:
+        return Handoff(
             transfer_id=transfer_id,
             producer_engine_id=self._cfg.engine_id,
             side_channel_host=self._cfg.host,
             side_channel_ports=[self._cfg.side_channel_port(r) for r in range(self._cfg.tp_size)],
             producer_tp_size=self._cfg.tp_size,
-            remote_block_ids=prompt_block_ids,
-            prompt_len=prompt_len,
+            remote_block_ids=block_ids,
+            prompt_len=request.num_prompt_tokens,
             block_size=self._block_size,
             compat_hash=self._compat_hash,
             kv_layout=self._kv_layout,
             kv_format=self._kv_format,
             producer_incarnation=self._leases.incarnation,
         )
-        # Held before the handoff leaves this process: an acquire never waits for a step (and a
-        # pending one, sent with the prefill leg, is answered by this hold).
-        if not self._leases.hold(request.request_id, transfer_id, prompt_block_ids, handoff):
-            return False, None
-        return True, handoff.to_params()
 
     def _new_transfer_id(self, asked: object) -> str:
         """The id that names a lease on the side channel: 128 random bits, so nobody can guess
@@ -335,6 +403,9 @@ class SchedulerHalf:
         meta.cancelled, self._cancelled = self._cancelled, set()
         if self._leases is not None:
             meta.finished_sending = self._leases.take_finished()
+            if self._producing:
+                meta.layer_marks = self._open_computing(scheduler_output)
+                meta.layers_token = self._leases.layers_token
         if (
             meta.loads
             or meta.finished_sending

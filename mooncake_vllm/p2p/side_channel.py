@@ -35,13 +35,16 @@ from mooncake_vllm.core.auth import (
 )
 from mooncake_vllm.core.auth import short_id as short
 from mooncake_vllm.core.os_threads import latency_critical_section, latency_zmq_context
-from mooncake_vllm.p2p.leases.table import Lease, LeaseTable, NotOwner
+from mooncake_vllm.p2p.leases.table import NOT_YET, Lease, LeaseTable, NotOwner
 from mooncake_vllm.p2p.protocol import (
+    ALL_LAYERS,
     Acquire,
+    Await,
     Frame,
     Granted,
     Handoff,
     MemSegment,
+    Progress,
     Refused,
     Release,
     Released,
@@ -154,7 +157,9 @@ class SideChannelServer:
 
     A pending acquire (``Acquire.wait_ms``: a pending handoff's, sent while the prefill still
     computes) of an id not held yet is parked, bounded in number and time, and answered by
-    ``answer_waiting`` once the hold arrives, or refused at its deadline."""
+    ``answer_waiting`` once the hold arrives, or refused at its deadline. Likewise an ``Await``
+    (the owner of a grant given while the prefill computes, ``layerwise_handoff``) is parked
+    until more layers are ready, the prefill has finished or failed, or its time is up."""
 
     def __init__(
         self,
@@ -197,6 +202,7 @@ class SideChannelServer:
             ) from e
         self.address = f"{host}:{port}"
         self._waiting: dict[str, list[_Waiting]] = {}
+        self._awaits: dict[str, list[_Waiting]] = {}
         self._clock = time.monotonic
 
     def serve_ready(self, max_frames: int = 256) -> tuple[int, int]:
@@ -230,6 +236,8 @@ class SideChannelServer:
             return
         if isinstance(frame, Acquire):
             self._answer_acquire(identity, nonce, frame)
+        elif isinstance(frame, Await):
+            self._answer_await(_Waiting(identity, nonce, frame, self._wait_deadline(frame)))
         elif isinstance(frame, Release):
             if self._unpark(frame):
                 self._send(identity, nonce, Released(frame.transfer_id))
@@ -244,14 +252,15 @@ class SideChannelServer:
         else:
             self.guard.drop("unexpected frame")
 
-    def _acquire(self, frame: Acquire, pending: bool = False) -> Lease | str | None:
+    def _acquire(self, frame: Acquire, pending: bool = False) -> Lease | str | object | None:
         """The table's answer to ``frame``; an unknown id only once the holds the engine core
         has sent are taken in (``on_unknown``)."""
         args = (frame.transfer_id, frame.remote_block_ids, frame.owner, frame.readers)
-        got = self._leases.acquire(*args, pending=pending)
+        kwargs = {"pending": pending, "layers_ok": frame.layers_ok}
+        got = self._leases.acquire(*args, **kwargs)
         if got is None:
             self._on_unknown()
-            got = self._leases.acquire(*args, pending=pending)
+            got = self._leases.acquire(*args, **kwargs)
         return got
 
     def _answer_acquire(self, identity: bytes, nonce: bytes, frame: Acquire) -> None:
@@ -268,6 +277,9 @@ class SideChannelServer:
         got = self._acquire(frame)
         if isinstance(got, Lease):
             self._grant(identity, nonce, frame)
+        elif got is NOT_YET:  # a handoff leaves only once its prefill has finished
+            reason = f"the prefill of transfer {short(frame.transfer_id)} has not finished"
+            self._send(identity, nonce, Refused(frame.transfer_id, reason))
         else:
             if got is None:
                 self.guard.drop("unknown transfer id")
@@ -275,53 +287,81 @@ class SideChannelServer:
             self._send(identity, nonce, Refused(frame.transfer_id, reason))
 
     def _grant(
-        self, identity: bytes, nonce: bytes, frame: Acquire, handoff: Handoff | None = None
+        self,
+        identity: bytes,
+        nonce: bytes,
+        frame: Acquire,
+        handoff: Handoff | None = None,
+        ready: int = ALL_LAYERS,
     ) -> None:
-        """``Granted``; to a pending acquire with the lease's ``handoff``."""
+        """``Granted``; to a pending acquire with the lease's ``handoff`` and ready layers."""
         segment, segments = self._layout()
         if self._on_grant is not None:
             self._on_grant(frame.transfer_id)
-        granted = Granted(frame.transfer_id, segment, segments, self._incarnation, handoff)
+        granted = Granted(frame.transfer_id, segment, segments, self._incarnation, handoff, ready)
         self._send(identity, nonce, granted)
 
-    def _wait_deadline(self, frame: Acquire) -> float:
+    def _wait_deadline(self, frame: Acquire | Await) -> float:
         return self._clock() + min(frame.wait_ms / 1000, _MAX_WAIT_S)
 
-    def _answer_pending(self, w: _Waiting) -> None:
+    def _parked(self) -> int:
+        return sum(map(len, self._waiting.values())) + sum(map(len, self._awaits.values()))
+
+    def _park(self, table: dict[str, list[_Waiting]], w: _Waiting, new: bool) -> None:
+        """Parks ``w`` (a new one only while fewer than ``_MAX_WAITING`` are parked)."""
         tid = w.frame.transfer_id
-        got = self._acquire(w.frame, pending=True)
-        if isinstance(got, Lease):
-            self._grant(w.identity, w.nonce, w.frame, got.handoff)
-        elif got is not None:
-            self._send(w.identity, w.nonce, Refused(tid, got))
-        elif sum(map(len, self._waiting.values())) >= _MAX_WAITING:
+        if new and self._parked() >= _MAX_WAITING:
             self.guard.drop("too many pending acquires")
             reason = f"{_MAX_WAITING} acquires already wait for their prefills here"
             self._send(w.identity, w.nonce, Refused(tid, reason))
         else:
-            self._waiting.setdefault(tid, []).append(w)
+            table.setdefault(tid, []).append(w)
+
+    def _answer_pending(self, w: _Waiting, new: bool = True) -> None:
+        tid = w.frame.transfer_id
+        got = self._acquire(w.frame, pending=True)
+        if isinstance(got, Lease):
+            self._grant(w.identity, w.nonce, w.frame, got.handoff, got.ready)
+        elif isinstance(got, str):
+            self._send(w.identity, w.nonce, Refused(tid, got))
+        elif w.deadline_s <= self._clock():
+            waited = w.frame.wait_ms / 1000
+            reason = f"no prefill held transfer {short(tid)} within {waited:.1f}s"
+            self._send(w.identity, w.nonce, Refused(tid, reason))
+        else:  # unknown yet, or held while computing by an acquire that waits for the end
+            self._park(self._waiting, w, new)
+
+    def _answer_await(self, w: _Waiting, new: bool = True) -> None:
+        tid, frame = w.frame.transfer_id, w.frame
+        got = self._leases.progress(tid, frame.owner)
+        if isinstance(got, str):
+            self._send(w.identity, w.nonce, Refused(tid, got))
+        elif got != frame.known or w.deadline_s <= self._clock():
+            self._send(w.identity, w.nonce, Progress(tid, got))
+        else:
+            self._park(self._awaits, w, new)
 
     def answer_waiting(self) -> None:
-        """Answers the parked pending acquires whose lease now exists (or has ended) and refuses
-        those past their deadline; called by the loop after it has read the engine core's holds."""
+        """Answers the parked pending acquires whose lease now exists (or has ended) and the
+        parked awaits whose layers moved on, and those past their deadline; called by the loop
+        after it has read the engine core's holds and the workers' layer marks."""
         now = self._clock()
         for tid in list(self._waiting):
-            if self._leases.is_live(tid) or self._leases.ended_reason(tid) is not None:
+            live = self._leases.is_live(tid) or self._leases.ended_reason(tid) is not None
+            if live or any(w.deadline_s <= now for w in self._waiting[tid]):
                 for w in self._waiting.pop(tid):
-                    self._answer_pending(w)  # a grant, or the reason it ended
-                continue
-            waiters = self._waiting[tid]
-            for w in [w for w in waiters if w.deadline_s <= now]:
-                waiters.remove(w)
-                waited = w.frame.wait_ms / 1000
-                reason = f"no prefill held transfer {short(tid)} within {waited:.1f}s"
-                self._send(w.identity, w.nonce, Refused(tid, reason))
-            if not waiters:
-                del self._waiting[tid]
+                    self._answer_pending(w, new=False)  # a grant, a reason, or parked again
+        for tid in list(self._awaits):
+            for w in self._awaits.pop(tid):
+                self._answer_await(w, new=False)
 
     def _unpark(self, frame: Release) -> bool:
         """A release by the owner of a parked pending acquire withdraws it (its request was
-        aborted before the prefill finished)."""
+        aborted before the prefill finished); a parked await of the owner goes with it."""
+        awaits = self._awaits.get(frame.transfer_id, [])
+        awaits[:] = [w for w in awaits if w.frame.owner != frame.owner]
+        if not awaits:
+            self._awaits.pop(frame.transfer_id, None)
         waiters = self._waiting.get(frame.transfer_id, [])
         for w in waiters:
             if w.frame.owner == frame.owner:
@@ -332,8 +372,9 @@ class SideChannelServer:
         return False
 
     def next_deadline_s(self) -> float | None:
-        """When the first parked acquire runs out (None: none is parked)."""
-        return min((w.deadline_s for ws in self._waiting.values() for w in ws), default=None)
+        """When the first parked acquire or await runs out (None: none is parked)."""
+        parked = [*self._waiting.values(), *self._awaits.values()]
+        return min((w.deadline_s for ws in parked for w in ws), default=None)
 
     def _send(self, identity: bytes, nonce: bytes, frame: Frame) -> None:
         sealed, _ = seal_frame(self._keys, encode_frame(frame), REPLY, nonce)
@@ -352,7 +393,7 @@ class _Waiting:
 
     identity: bytes
     nonce: bytes
-    frame: Acquire
+    frame: Acquire | Await
     deadline_s: float
 
 
@@ -396,7 +437,7 @@ class SideChannelClient:
     def call(
         self,
         address: str,
-        frame: Acquire | Release,
+        frame: Acquire | Await | Release,
         timeout_s: float,
         cancelled: threading.Event | None = None,
     ) -> Frame:

@@ -25,6 +25,7 @@ _COUNTERS = (
     "cancelled",
     "retries",
     "stalls",
+    "layered",
     "rejected_frames",
     "acquire_s",
     "read_s",
@@ -101,6 +102,11 @@ class MooncakePromMetrics(ConnectorPromMetrics):
                 ),
                 ("retries", "transfer-engine entries read again after a failed attempt"),
                 ("stalls", "entry attempts the engine dropped for making no progress"),
+                (
+                    "layered",
+                    "pulls that read layers while their prefill still computed "
+                    "(the producer's layerwise_handoff)",
+                ),
                 (
                     "rejected_frames",
                     "side-channel frames dropped: not verifying, replayed, "

@@ -44,3 +44,7 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     # Consumer: requests vLLM finished (aborted) while their pending pull waits for its prefill:
     # the workers withdraw the wait, so the load settles and the blocks are freed.
     cancelled: set[str] = field(default_factory=set)
+    # Producer (``layerwise_handoff``): transfers whose prompts this step completes; workers
+    # mark each layer written (``leases.process.LayerDone``, carrying ``layers_token``).
+    layer_marks: list[str] = field(default_factory=list)
+    layers_token: bytes = b""

@@ -26,6 +26,7 @@ engine's first handshake (which can block in C++) at the deadline submits nothin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -66,15 +67,19 @@ from mooncake_vllm.core.registry import (
 from mooncake_vllm.core.serving_url import find_serving_url
 from mooncake_vllm.core.worker_stats import WorkerStats
 from mooncake_vllm.p2p.config import ConnectorConfig
-from mooncake_vllm.p2p.local_channels import WakeSender, claim, wake_endpoint
+from mooncake_vllm.p2p.leases.process import LayerDone, encode
+from mooncake_vllm.p2p.local_channels import WakeSender, claim, layers_endpoint, wake_endpoint
 from mooncake_vllm.p2p.protocol import (
+    ALL_LAYERS,
     OWNER_BYTES,
     Acquire,
+    Await,
     Granted,
     Handoff,
     HandoffError,
     MemSegment,
     PendingHandoff,
+    Progress,
     Refused,
     Release,
     validate_handoff,
@@ -113,6 +118,7 @@ class PullOutcome(LoadOutcome):
     read_s: float = 0.0  # transfer-engine read
     refused: bool = False
     cancelled: bool = False  # a pending pull withdrawn: its request ended first
+    layered: bool = False  # began reading before its prefill had finished (layerwise_handoff)
     retries: int = 0
     stalls: int = 0
 
@@ -127,6 +133,7 @@ class _Totals:
     read_s: float = 0.0
     retries: int = 0
     stalls: int = 0
+    layered: bool = False
 
     def add(self, read) -> None:
         """Adds one ``TransferAgent.read``."""
@@ -192,6 +199,12 @@ class WorkerHalf:
         self._bytes_per_block = 0
         self._claim: zmq.Socket | None = None
         self._finished_sending: set[str] = set()  # from the scheduler's metadata, this step
+        # Producer, ``layerwise_handoff``: the layer of each KV tensor (segment order), the
+        # socket to the lease server, and this step's transfers to mark.
+        self._layer_index: dict[str, int] = {}
+        self._marks_out: zmq.Socket | None = None
+        self._marks: list[str] = []
+        self._marks_token = b""
         # Pending pulls (waiting for their prefill), set when vLLM finished their request.
         self._cancels: dict[str, threading.Event] = {}
         self._client: SideChannelClient | None = None
@@ -268,6 +281,8 @@ class WorkerHalf:
         for addr, (nbytes, location) in sorted(storages.items()):
             self._engine.register(addr, nbytes, location)
         self._layers = [kv_caches[name] for name in sorted(kv_caches)]
+        if cfg.is_producer and s.layerwise_handoff:
+            self._open_marks(kv_caches, segments)
         if (
             cfg.is_consumer
             and self._kv_format == REBLOCKABLE
@@ -304,6 +319,33 @@ class WorkerHalf:
             side_channel or "-",
             cfg.metadata.describe(),
         )
+
+    def _open_marks(self, kv_caches: dict[str, torch.Tensor], segments: list[MemSegment]) -> None:
+        """``layerwise_handoff``: layer ``i`` of a prompt is segment ``i`` of its blocks."""
+        on_cpu = all(t.device.type == "cpu" for t in kv_caches.values())
+        if len(segments) != len(kv_caches) or not on_cpu:
+            raise RuntimeError(
+                "layerwise_handoff needs one KV tensor per layer in CPU memory (vLLM's CPU "
+                f"attention); this engine has {len(kv_caches)} layers in {len(segments)} "
+                "segments: set layerwise_handoff to false"
+            )
+        self._layer_index = {name: i for i, name in enumerate(sorted(kv_caches))}
+        self._marks_out = zmq.Context.instance().socket(zmq.PUSH)
+        self._marks_out.setsockopt(zmq.LINGER, 0)
+        self._marks_out.connect(layers_endpoint(self._cfg.host, self._cfg.base_port))
+
+    def save_layer(self, layer_name: str) -> None:
+        """vLLM has written ``layer_name``'s KV of this step (CPU: before this call returns):
+        tell the lease server, for the prompts this step completes."""
+        if not self._marks or self._marks_out is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        done = LayerDone(self._marks_token, self._tp_rank, layer, self._marks)
+        # ZMQError: the lease server is gone or behind; the finish still hands over.
+        with contextlib.suppress(zmq.ZMQError):
+            self._marks_out.send(encode(done), zmq.NOBLOCK)
 
     def _publish_serving_url(self) -> None:
         """Publish where this engine serves the OpenAI API, for ``proxy_server.py --discover``
@@ -343,6 +385,7 @@ class WorkerHalf:
 
     def start_load_kv(self, meta: MooncakeConnectorMetadata) -> None:
         self._finished_sending |= meta.finished_sending
+        self._marks, self._marks_token = meta.layer_marks, meta.layers_token
         for load in meta.loads:
             assert self._pulls is not None, "loads are only planned on a consumer"
             if isinstance(load.handoff, PendingHandoff):
@@ -385,6 +428,7 @@ class WorkerHalf:
                     )
                     stats.count("retries", outcome.retries)
                     stats.count("stalls", outcome.stalls)
+                    stats.count("layered", int(outcome.layered))
                 elif outcome.cancelled:  # vLLM finished the request: no outcome is awaited
                     logger.info("request %s: KV pull withdrawn: %s", req_id, outcome.reason)
                     stats.count("cancelled")
@@ -459,8 +503,11 @@ class WorkerHalf:
                 if isinstance(h, PendingHandoff):
                     h = self._granted_handoff(h, reply, load)
                     load = dataclasses.replace(load, handoff=h, remote_block_ids=h.remote_block_ids)
-                if heads:
-                    self._read(_Pull(load, h, job, out), rank, heads, reply)
+                pull = _Pull(load, h, job, out)
+                if reply.ready != ALL_LAYERS:  # the prefill computes: take layers as they come
+                    self._read_layers(pull, rank, heads, reply, address, owner)
+                elif heads:
+                    self._read(pull, rank, heads, reply)
             succeeded = True
             logger.debug(
                 "request %s: pulled %d blocks (%d B, %d entries) from %d producer rank(s): "
@@ -488,9 +535,65 @@ class WorkerHalf:
             for address, owner in acquired.items():
                 self._releases.submit(self._release, address, h.transfer_id, owner, succeeded)
 
-    def _read(self, pull: _Pull, rank: int, heads: list[int], reply: Granted) -> None:
+    def _read_layers(
+        self,
+        pull: _Pull,
+        rank: int,
+        heads: list[int],
+        reply: Granted,
+        address: str,
+        owner: bytes,
+    ) -> None:
+        """``_read`` for a grant given while the prefill computes (``layerwise_handoff``): the
+        layers written so far, then each batch the producer reports (``Await``), until the
+        prefill has finished. Only then is the pull done: a prefill that ends without a handover
+        (aborted) is refused, so a read of blocks it no longer holds never counts."""
+        h, deadline = pull.handoff, pull.job.deadline_s
+        if not heads:  # acquired only to be released: nothing to read, nothing to wait for
+            return
+        pull.out.layered = True
+        # Another block size re-blocks all layers at once, once they are all written.
+        by_layer = self._block_size is None or h.block_size == self._block_size
+        ready, done = reply.ready, 0
+        while True:
+            if by_layer:
+                every = (1 << len(self._segments)) - 1
+                new = (every if ready == ALL_LAYERS else ready) & ~done
+                if new:
+                    layers = [i for i in range(len(self._segments)) if new >> i & 1]
+                    self._read(pull, rank, heads, reply, layers)
+                    done |= new
+            if ready == ALL_LAYERS:
+                break
+            wait_s = deadline - time.monotonic()
+            if wait_s <= 0:
+                raise PullFailed("the prefill did not finish before the load's deadline")
+            wait_ms = int(max(0.1, wait_s - _PENDING_MARGIN_S) * 1000)
+            got = self._client.call(
+                address,
+                Await(h.transfer_id, owner, ready, wait_ms),
+                timeout_s=max(0.1, wait_s),
+                cancelled=self._cancels.get(pull.load.req_id),
+            )
+            if isinstance(got, Refused):
+                raise PullFailed(got.reason)
+            if not isinstance(got, Progress):
+                raise PullFailed(f"unexpected reply {type(got).__name__}")
+            ready = got.ready
+        if not by_layer:
+            self._read(pull, rank, heads, reply)
+
+    def _read(
+        self,
+        pull: _Pull,
+        rank: int,
+        heads: list[int],
+        reply: Granted,
+        layers: list[int] | None = None,
+    ) -> None:
         """Reads ``heads`` of the prompt from producer rank ``rank`` (granted ``reply``) into
-        this rank's blocks, adding to ``pull.out``; raises on failure."""
+        this rank's blocks, adding to ``pull.out``; raises on failure. ``layers``: only these
+        (segment order; same block size only)."""
         load, h, job = pull.load, pull.handoff, pull.job
         assert self._engine is not None
         self._check_trusted(reply.te_segment.rpartition(":")[0], "transfer-engine segment")
@@ -502,9 +605,14 @@ class WorkerHalf:
         if self._block_size is not None and h.block_size != self._block_size:
             self._read_reblocked(pull, rank, heads, reply)
             return
+        src, dst = reply.segments, self._segments
+        if layers is not None:
+            if len(src) != len(dst):
+                raise PullFailed(f"{len(src)} remote segments vs {len(dst)} local ones")
+            src, dst = [src[i] for i in layers], [dst[i] for i in layers]
         regions = plan_pull(
-            reply.segments,
-            self._segments,
+            src,
+            dst,
             heads=heads,
             src_heads=rank_heads(self._kv_heads, h.producer_tp_size, rank),
             dst_heads=self._heads,
@@ -642,10 +750,11 @@ class WorkerHalf:
         cancelled: threading.Event | None = None,
     ) -> Granted | Refused:
         if isinstance(h, PendingHandoff):
-            # No blocks or incarnation yet: the producer answers once the prefill's lease exists,
-            # and refuses a little before this side gives up, so the reason arrives.
+            # No blocks or incarnation yet: the producer answers once the prefill's lease exists
+            # (with ``layerwise_handoff``, while it still computes), and refuses a little before
+            # this side gives up, so the reason arrives.
             wait_ms = int(max(0.1, timeout_s - _PENDING_MARGIN_S) * 1000)
-            frame = Acquire(h.transfer_id, [], owner, readers, "", wait_ms=wait_ms)
+            frame = Acquire(h.transfer_id, [], owner, readers, "", wait_ms=wait_ms, layers_ok=True)
         else:
             # The acquire names all the hold's blocks, whatever this consumer reads of them.
             frame = Acquire(
@@ -718,6 +827,8 @@ class WorkerHalf:
             self._releases.shutdown(wait=True)
         if self._claim is not None:
             self._claim.close()
+        if self._marks_out is not None:
+            self._marks_out.close()
         if self._client is not None:
             self._client.close()
         if self._wake is not None:

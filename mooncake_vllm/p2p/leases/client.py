@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from mooncake_vllm.core.auth import is_loopback
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.process import (
+    Abort,
     Dropped,
     Ended,
     Hold,
@@ -46,6 +47,7 @@ from mooncake_vllm.p2p.leases.process import (
     encode,
     report_decoder,
 )
+from mooncake_vllm.p2p.local_channels import layers_endpoint
 from mooncake_vllm.p2p.protocol import Handoff
 from mooncake_vllm.p2p.side_channel import SideChannelError
 
@@ -89,6 +91,8 @@ class LeaseService:
         self._finished: set[str] = set()
         self._gone_at: float | None = None  # when the lease server was found gone
         self.addresses = [f"{cfg.host}:{cfg.side_channel_port(r)}" for r in range(cfg.tp_size)]
+        # ``layerwise_handoff``: the token the workers' layer marks carry (step metadata).
+        self.layers_token = secrets.token_bytes(16) if s.layerwise_handoff else b""
 
         ours, theirs = socket.socketpair()
         with theirs:
@@ -117,6 +121,8 @@ class LeaseService:
             max_frame_bytes=s.side_channel_max_frame_bytes,
             peer_rate=s.side_channel_peer_rate,
             max_peers=s.side_channel_max_peers,
+            layers_endpoint=layers_endpoint(cfg.host, cfg.base_port) if self.layers_token else "",
+            layers_token=self.layers_token,
         )
         try:
             self._conn.send_bytes(encode(start))
@@ -142,11 +148,18 @@ class LeaseService:
         self._send(Layouts([layouts[r] for r in range(self._tp_size)]))
 
     def hold(
-        self, req_id: str, transfer_id: str, block_ids: list[int], handoff: Handoff | None = None
+        self,
+        req_id: str,
+        transfer_id: str,
+        block_ids: list[int],
+        handoff: Handoff | None = None,
+        *,
+        computing: bool = False,
     ) -> bool:
         """Opens the lease on every rank (``handoff``: what a pending acquire of it is granted
         with); False (nothing held) if the lease server is gone, since no consumer could pull
-        it."""
+        it. ``computing``: opened in the prefill's last step (``layerwise_handoff``); a second
+        hold without it, or ``abort``, follows when the request has finished."""
         n = len(block_ids)
         per_rank = [n * self._layouts[r].bytes_per_block for r in range(self._tp_size)]
         hold = Hold(
@@ -156,12 +169,24 @@ class LeaseService:
             table_bytes=per_rank[: self._tables],
             max_readers=self._max_readers,
             handoff=handoff,
+            computing=computing,
         )
         if not (self._alive() and self._send(hold)):
             return False
-        with self._lock:
-            self._held_bytes[req_id] = sum(per_rank)
+        if not computing:  # until then the blocks belong to the running request
+            with self._lock:
+                self._held_bytes[req_id] = sum(per_rank)
         return True
+
+    def abort(self, req_id: str, transfer_id: str, block_ids: list[int]) -> None:
+        """The request of a hold opened computing finished without a handover: its blocks are
+        held until the consumers that acquired it have released it (``Ended``)."""
+        with self._lock:
+            self._held_bytes[req_id] = len(block_ids) * sum(
+                self._layouts[r].bytes_per_block for r in range(self._tp_size)
+            )
+        if not self._send(Abort(req_id, transfer_id)):
+            return  # gone: ``take_finished`` frees the blocks after the longest pull
 
     def take_finished(self) -> set[str]:
         """Requests whose lease has ended in every table: their blocks can be freed."""
@@ -222,7 +247,7 @@ class LeaseService:
                     self._held_bytes.pop(req_id, None)
                     self._finished.add(req_id)
 
-    def _send(self, msg: Hold | Layouts | Stop) -> bool:
+    def _send(self, msg: Hold | Abort | Layouts | Stop) -> bool:
         try:
             self._conn.send_bytes(encode(msg))
             return True

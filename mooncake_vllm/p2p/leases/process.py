@@ -7,12 +7,14 @@ buckets under load. Here the loop has a GIL, and (where allowed) a real-time pri
 own (docs/benchmarks.md, A/B runs).
 
 The engine core (``leases.client``) starts it with ``python -m mooncake_vllm.p2p.leases.process FD
-PID`` and speaks to it over a socket pair: ``Start``, ``Layouts``, ``Hold`` and ``Stop`` in,
-``Ready`` and ``Ended`` out. Ordering is what keeps "an acquire never waits for a step" true: the
-engine core writes a ``Hold`` before the handoff leaves its process, so by the time a consumer's
-``Acquire`` arrives the hold is in this process's socket buffer; the loop reads commands first, and
-again before it refuses an unknown id. A lease's end is reported (``Ended``) before the consumer
-hears ``Released``, and the engine core frees the blocks only once it reads that.
+PID`` and speaks to it over a socket pair: ``Start``, ``Layouts``, ``Hold``, ``Abort`` and ``Stop``
+in, ``Ready`` and ``Ended`` out. With ``layerwise_handoff`` the producer's workers also send it
+``LayerDone`` (a local socket): a layer of the prompts finishing in this step is written. Ordering
+is what keeps "an acquire never waits for a step" true: the engine core writes a ``Hold`` before the
+handoff leaves its process, so by the time a consumer's ``Acquire`` arrives the hold is in this
+process's socket buffer; the loop reads commands first, and again before it refuses an unknown id. A
+lease's end is reported (``Ended``) before the consumer hears ``Released``, and the engine core
+frees the blocks only once it reads that.
 
 The process ends when the engine core closes the socket pair (or dies: end of file, and the
 kernel's parent-death signal as a backstop).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hmac
 import logging
 import math
 import os
@@ -90,6 +93,10 @@ class Start(msgspec.Struct, tag="start", frozen=True, kw_only=True):
     max_frame_bytes: int = 1 << 20
     peer_rate: float = 2000.0
     max_peers: int = 256
+    # ``layerwise_handoff``: where the workers' ``LayerDone`` arrive, and the token they carry
+    # (handed to the workers in the step metadata, so no other local process can mark layers).
+    layers_endpoint: str = ""
+    layers_token: bytes = b""
 
 
 class Layouts(msgspec.Struct, tag="layouts", frozen=True):
@@ -103,6 +110,16 @@ class Hold(msgspec.Struct, tag="hold", frozen=True):
     table_bytes: list[int]  # the lease's bytes in table t
     max_readers: int = 1  # consumer ranks that may share the lease
     handoff: Handoff | None = None  # what a pending acquire of it is granted with
+    # Opened in the prefill's last step, before its layers are written (``LeaseTable.add``); a
+    # second ``Hold`` without it says the request has finished.
+    computing: bool = False
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    """The request of a hold opened computing finished without a handover."""
+
+    req_id: str
+    transfer_id: str
 
 
 class Stop(msgspec.Struct, tag="stop", frozen=True):
@@ -125,14 +142,27 @@ class Dropped(msgspec.Struct, tag="dropped", frozen=True):
     counts: dict[str, int]  # side-channel frames dropped since the last report, by reason
 
 
-Command = Start | Layouts | Hold | Stop
+# ---- producer worker -> lease server ----------------------------------------------------------
+
+
+class LayerDone(msgspec.Struct, frozen=True):
+    """Worker ``rank`` has written ``layer`` (segment order) of these transfers' prompts."""
+
+    token: bytes
+    rank: int
+    layer: int
+    transfer_ids: list[str]
+
+
+Command = Start | Layouts | Hold | Abort | Stop
 Report = Ready | Ended | Dropped
 _encoder = msgspec.msgpack.Encoder()
 command_decoder = msgspec.msgpack.Decoder(Command)
 report_decoder = msgspec.msgpack.Decoder(Report)
+layer_done_decoder = msgspec.msgpack.Decoder(LayerDone)
 
 
-def encode(msg: Command | Report) -> bytes:
+def encode(msg: Command | Report | LayerDone) -> bytes:
     return _encoder.encode(msg)
 
 
@@ -144,13 +174,29 @@ class LeaseServer:
         self._conn = conn
         self._stopping = False
         self._layouts: list[RankLayout] = []
+        # A table shared by all ranks (an MLA latent): each layer is ready once every rank wrote it.
+        marks_needed = max(1, len(start.ports) // start.tables)
         self._tables = [
-            LeaseTable(start.ttl_s, start.budget_bytes, start.pull_hold_s)
+            LeaseTable(
+                start.ttl_s, start.budget_bytes, start.pull_hold_s, marks_needed=marks_needed
+            )
             for _ in range(start.tables)
         ]
         self._ctx = latency_zmq_context()
         self._servers: list[SideChannelServer] = []
+        self._layers_token = start.layers_token
+        self._marks: zmq.Socket | None = None
         try:
+            if start.layers_endpoint:
+                self._marks = self._ctx.socket(zmq.PULL)
+                self._marks.setsockopt(zmq.LINGER, 0)
+                try:
+                    self._marks.bind(start.layers_endpoint)
+                except zmq.ZMQError as e:
+                    raise SideChannelError(
+                        f"layer marks cannot bind {start.layers_endpoint} ({e}); is another "
+                        "engine using these ports? Set prefill_url/decode_url ports apart"
+                    ) from e
             for rank, port in enumerate(start.ports):
                 self._servers.append(
                     SideChannelServer(
@@ -182,12 +228,15 @@ class LeaseServer:
         poller.register(self._conn.fileno(), zmq.POLLIN)
         for srv in self._servers:
             poller.register(srv.sock, zmq.POLLIN)
+        if self._marks is not None:
+            poller.register(self._marks, zmq.POLLIN)
         errors, logged_at = 0, -math.inf  # consecutive errors; when the last was logged
         try:
             while not self._stopping:
                 try:
                     poller.poll(self._poll_timeout_ms())
                     self._read_commands()  # first: a hold precedes its handoff's acquire
+                    self._read_marks()  # and a computing hold precedes its layers' marks
                     t0, frames, dropped = time.monotonic(), 0, 0
                     for srv in self._servers:
                         f, d = srv.serve_ready()
@@ -230,6 +279,7 @@ class LeaseServer:
             while not self._stopping and self._conn.poll(0):
                 cmd = command_decoder.decode(self._conn.recv_bytes())
                 if isinstance(cmd, Hold):
+                    layers = len(self._layouts[0].segments) if self._layouts else 0
                     for table, nbytes in zip(self._tables, cmd.table_bytes, strict=True):
                         table.add(
                             cmd.req_id,
@@ -238,13 +288,34 @@ class LeaseServer:
                             nbytes,
                             cmd.max_readers,
                             cmd.handoff,
+                            computing=cmd.computing,
+                            layers=layers,
                         )
+                elif isinstance(cmd, Abort):
+                    for table in self._tables:
+                        table.abort(cmd.req_id, cmd.transfer_id)
                 elif isinstance(cmd, Layouts):
                     self._layouts = list(cmd.ranks)
                 elif isinstance(cmd, Stop):
                     self._stopping = True
         except (EOFError, OSError):  # the engine core has gone
             self._stopping = True
+
+    def _read_marks(self) -> None:
+        """Applies the workers' ``LayerDone``; one without this start's token is dropped."""
+        while self._marks is not None and self._marks.poll(0):
+            data = self._marks.recv()
+            try:
+                done = layer_done_decoder.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self._servers[0].guard.drop("malformed layer mark")
+                continue
+            if not hmac.compare_digest(done.token, self._layers_token):
+                self._servers[0].guard.drop("layer mark without the token")
+                continue
+            table = self._tables[done.rank % len(self._tables)]
+            for tid in done.transfer_ids:
+                table.mark(tid, done.layer)
 
     def _report(self) -> None:
         """Tells the engine core which requests' leases have ended (their blocks can be freed)."""
@@ -289,6 +360,8 @@ class LeaseServer:
     def _close(self) -> None:
         for srv in self._servers:
             srv.close()
+        if self._marks is not None:
+            self._marks.close()
         if hasattr(self, "_waker"):
             self._waker.close()
         self._ctx.term()

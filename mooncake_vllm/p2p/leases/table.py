@@ -21,6 +21,14 @@ only a ``Release`` with the token of an acquire of that lease ends it (a strange
 acquired, or who guessed nothing, changes nothing). ``readers`` is bounded by the hold's
 ``max_readers`` and fixed by the first acquire.
 
+Layer by layer (``layerwise_handoff``): a lease can open while its prefill still computes, in
+the step that completes the prompt (``computing``). Its blocks then belong to the running request,
+not to the lease: it is granted only to acquires that take layers as they come (``layers_ok``),
+the producer's workers mark each layer written (``mark``), and only the engine core's finishing
+``add`` (the request finished and its blocks are held) or ``abort`` (it finished without a
+handover) ends the computing. A lease ended while computing reports its request finished only
+once that has come, so vLLM never frees the blocks of a running request.
+
 Used by the lease server's one thread (``leases.process``); locked all the same.
 """
 
@@ -35,6 +43,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_vllm.core.auth import short_id
+from mooncake_vllm.p2p.protocol import ALL_LAYERS
+
+# ``LeaseTable.acquire``: the lease exists but cannot be granted to this acquire yet.
+NOT_YET = object()
 
 
 class LeaseState(enum.Enum):
@@ -58,10 +70,25 @@ class Lease:
     released_by: set[bytes] = field(default_factory=set)
     failed: bool = False  # a reader released it with its pull failed
     handoff: Any = None  # the handoff it backs (``protocol.Handoff``), for pending acquires
+    computing: bool = False  # opened in its prefill's last step; that request still runs
+    aborted: bool = False  # the request finished without a handover while it was acquired
+    # Per layer (segment order): producer ranks that wrote it, of ``marks_needed``.
+    marks: list[int] = field(default_factory=list)
+    marks_needed: int = 1
 
     @property
     def acquired(self) -> int:
         return len(self.owners)
+
+    @property
+    def ready(self) -> int:
+        """``ALL_LAYERS`` once the request has finished; else the written layers' bitmask."""
+        if not self.computing:
+            return ALL_LAYERS
+        return sum(1 << i for i, n in enumerate(self.marks) if n >= self.marks_needed)
+
+    def all_released(self) -> bool:
+        return len(self.released_by) >= (len(self.owners) if self.aborted else self.readers)
 
 
 class NotOwner(Exception):
@@ -76,6 +103,7 @@ class LeaseTable:
         pull_hold_s: float,
         clock: Callable[[], float] = time.monotonic,
         remember_ended: int = 8192,
+        marks_needed: int = 1,
     ):
         self._ttl_s = ttl_s
         self._budget_bytes = budget_bytes
@@ -86,6 +114,9 @@ class LeaseTable:
         self._ended: OrderedDict[str, str] = OrderedDict()  # transfer id -> reason (bounded)
         self._remember_ended = remember_ended
         self._finished_req_ids: set[str] = set()
+        # Leases ended while computing, by transfer id: their requests, freed once finished.
+        self._ended_computing: OrderedDict[str, str] = OrderedDict()
+        self._marks_needed = marks_needed  # producer ranks that write each layer of a lease
         self.ended_counts: dict[str, int] = {}
 
     def add(
@@ -96,9 +127,17 @@ class LeaseTable:
         nbytes: int,
         max_readers: int = 1,
         handoff: Any = None,
+        *,
+        computing: bool = False,
+        layers: int = 0,
     ) -> None:
+        """Opens a lease; ``computing``: in its prefill's last step, with ``layers`` layers to
+        be marked. Without it, for a lease opened computing by the same request: its request
+        has finished, the lease now holds the blocks."""
         with self._lock:
             old = self._live.get(transfer_id)
+            if not computing and self._finish(req_id, transfer_id, nbytes):
+                return
             if old is not None:
                 self._end(old, "superseded")
             self._live[transfer_id] = Lease(
@@ -109,8 +148,67 @@ class LeaseTable:
                 self._clock() + self._ttl_s,
                 max_readers=max_readers,
                 handoff=handoff,
+                computing=computing,
+                marks=[0] * layers if computing else [],
+                marks_needed=self._marks_needed,
             )
             self._enforce_budget()
+
+    def _finish(self, req_id: str, transfer_id: str, nbytes: int) -> bool:
+        """Under the lock: the request of a lease opened computing has finished (True), with
+        its blocks held now."""
+        if self._ended_computing.get(transfer_id) == req_id:  # read and released already
+            del self._ended_computing[transfer_id]
+            self._finished_req_ids.add(req_id)
+            return True
+        lease = self._live.get(transfer_id)
+        if lease is None or not lease.computing or lease.req_id != req_id:
+            return False
+        lease.computing, lease.nbytes = False, nbytes
+        if lease.state is LeaseState.HELD:
+            lease.deadline_s = self._clock() + self._ttl_s
+        self._enforce_budget()
+        return True
+
+    def abort(self, req_id: str, transfer_id: str) -> None:
+        """The request of a lease opened computing finished without a handover (aborted, or
+        preempted): refuse its readers, and end it once those that acquired it have released
+        it (they may still read: vLLM keeps the blocks until then)."""
+        with self._lock:
+            if self._ended_computing.get(transfer_id) == req_id:
+                del self._ended_computing[transfer_id]
+                self._finished_req_ids.add(req_id)
+                return
+            lease = self._live.get(transfer_id)
+            if lease is None or lease.req_id != req_id:
+                self._finished_req_ids.add(req_id)  # nothing of it is held here
+                return
+            lease.computing, lease.aborted = False, True
+            if lease.all_released():
+                self._end(lease, "aborted")
+
+    def mark(self, transfer_id: str, layer: int) -> bool:
+        """A producer rank has written ``layer`` of a computing lease; True if one was."""
+        with self._lock:
+            lease = self._live.get(transfer_id)
+            if lease is None or not lease.computing or not 0 <= layer < len(lease.marks):
+                return False
+            lease.marks[layer] += 1
+            return True
+
+    def progress(self, transfer_id: str, owner: bytes) -> int | str:
+        """The ready layers of a lease ``owner`` acquired (``Lease.ready``), or why there are
+        none to come."""
+        with self._lock:
+            lease = self._live.get(transfer_id)
+            if lease is None:
+                reason = self._ended.get(transfer_id)
+                return f"transfer {short_id(transfer_id)} {reason or 'unknown'}"
+            if owner not in lease.owners:
+                return f"transfer {short_id(transfer_id)} was not acquired by this peer"
+            if lease.aborted:
+                return f"the prefill of transfer {short_id(transfer_id)} ended without a handover"
+            return lease.ready
 
     def acquire(
         self,
@@ -120,15 +218,22 @@ class LeaseTable:
         readers: int = 1,
         *,
         pending: bool = False,
-    ) -> Lease | str | None:
-        """The lease, now PULLING; or a refusal reason; or None if the id is unknown. A
-        ``pending`` acquire (a pending handoff's: the consumer knows the id, not the blocks)
-        names no blocks."""
+        layers_ok: bool = False,
+    ) -> Lease | str | object | None:
+        """The lease, now PULLING; or a refusal reason; or None if the id is unknown; or
+        ``NOT_YET`` for an acquire that must wait for the prefill to finish (a computing lease,
+        and the acquire does not take layers as they come: ``layers_ok``). A ``pending``
+        acquire (a pending handoff's: the consumer knows the id, not the blocks) names no
+        blocks."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
                 reason = self._ended.get(transfer_id)
                 return f"transfer {short_id(transfer_id)} already {reason}" if reason else None
+            if lease.aborted:
+                return f"the prefill of transfer {short_id(transfer_id)} ended without a handover"
+            if lease.computing and not (pending and layers_ok):
+                return NOT_YET
             if pending and lease.handoff is None:
                 return f"transfer {short_id(transfer_id)} cannot be acquired pending"
             if not pending and list(block_ids) != lease.block_ids:
@@ -160,8 +265,9 @@ class LeaseTable:
                 return True
             lease.released_by.add(owner)
             lease.failed = lease.failed or not ok
-            if len(lease.released_by) >= lease.readers:
-                self._end(lease, "pull failed" if lease.failed else "released")
+            if lease.all_released():
+                reason = "aborted" if lease.aborted else "released"
+                self._end(lease, "pull failed" if lease.failed else reason)
             return True
 
     def expire(self) -> None:
@@ -197,7 +303,7 @@ class LeaseTable:
     @property
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(x.nbytes for x in self._live.values())
+            return sum(x.nbytes for x in self._live.values() if not x.computing)
 
     @property
     def held_count(self) -> int:
@@ -205,11 +311,12 @@ class LeaseTable:
             return len(self._live)
 
     def _enforce_budget(self) -> None:
-        held = sum(x.nbytes for x in self._live.values())
+        # A computing lease holds nothing yet: its blocks belong to the running request.
+        held = sum(x.nbytes for x in self._live.values() if not x.computing)
         for lease in list(self._live.values()):  # oldest first
             if held <= self._budget_bytes:
                 break
-            if lease.state is LeaseState.HELD:
+            if lease.state is LeaseState.HELD and not lease.computing:
                 held -= lease.nbytes
                 self._end(lease, "evicted")
 
@@ -219,5 +326,10 @@ class LeaseTable:
         self._ended[lease.transfer_id] = reason
         while len(self._ended) > self._remember_ended:
             self._ended.popitem(last=False)
-        self._finished_req_ids.add(lease.req_id)
+        if lease.computing:  # the request still runs: its blocks are freed once it finishes
+            self._ended_computing[lease.transfer_id] = lease.req_id
+            while len(self._ended_computing) > self._remember_ended:
+                self._ended_computing.popitem(last=False)
+        else:
+            self._finished_req_ids.add(lease.req_id)
         self.ended_counts[reason] = self.ended_counts.get(reason, 0) + 1
