@@ -2,6 +2,7 @@
 
     python -m benchmarks.serving [--full] [--out-dir DIR] [--no-builtin] [--no-pool] [--mla]
                                  [--ours-b JSON] [--ours-b-src DIR] [--ours-b-proxy FLAGS]
+                                 [--ours-proxy FLAGS]
 
 Four setups of the tiny local model (``--mla``: the tiny DeepSeek-V2-style MLA model, served
 with ``--attention-backend CPU_MLA``; results then go to ``serving_mla.json``/``.png``) on this
@@ -83,8 +84,10 @@ class Stack:
         ours_b: dict | None = None,
         ours_b_src: Path | None = None,
         ours_b_proxy: Sequence[str] = (),
+        ours_proxy: Sequence[str] = (),
     ):
         self.with_builtin, self.with_pool = with_builtin, with_pool
+        self.ours_proxy = list(ours_proxy)  # flags of our pair's proxy
         self.ours_b_proxy = list(ours_b_proxy)  # flags of the second pair's proxy
         self.ours_b = ours_b  # settings of a second P2P pair measured beside ours (an A/B)
         self.ours_b_src = ours_b_src  # another checkout that pair runs mooncake_vllm from
@@ -164,7 +167,7 @@ class Stack:
         self.started += started
         self.vllm = {s.name: srv for s, srv in zip(specs, started, strict=True)}
         self.urls["plain"] = self.vllm["plain"].url
-        self.urls["ours"] = self._our_proxy("ours")
+        self.urls["ours"] = self._our_proxy("ours", *self.ours_proxy)
         if self.ours_b is not None:
             self.urls["ours_b"] = self._our_proxy("ours_b", *self.ours_b_proxy)
         if self.with_pool:
@@ -329,6 +332,7 @@ def ours_counters(stack: Stack, decode: str = "ours-decode") -> dict:
         "failures": d.metric("mooncake_vllm:pull_failures_total"),
         "retries": d.metric("mooncake_vllm:retries_total"),
         "stalls": d.metric("mooncake_vllm:stalls_total"),
+        "layered": d.metric("mooncake_vllm:layered_total"),
         "acquire_seconds": d.metric("mooncake_vllm:acquire_duration_seconds_sum"),
         "read_seconds": d.metric("mooncake_vllm:read_duration_seconds_sum"),
         "acquire_buckets": d.histogram("mooncake_vllm:acquire_duration_seconds"),
@@ -635,6 +639,8 @@ def record(out_dir: Path, stack: Stack, settings: dict, samples: list, cells: li
     )
     if stack.with_builtin:
         notes.append(WORKAROUND_NOTE)
+    if stack.ours_proxy:
+        notes.append(f"ours: its proxy runs with {shlex.join(stack.ours_proxy)}")
     if stack.ours_b is not None:
         notes.append(
             f"ours_b: a second P2P pair ({OURS_B_P}, {OURS_B_D}) whose mooncake.json adds "
@@ -704,6 +710,14 @@ def main(argv: list[str] | None = None) -> int:
         help="an A/B of the proxy: the second P2P pair's proxy gets these flags, e.g. "
         "'--dispatch concurrent'; implies --ours-b '{}' if not given",
     )
+    ap.add_argument(
+        "--ours-proxy",
+        type=shlex.split,
+        default=[],
+        metavar="FLAGS",
+        help="flags of our pair's proxy, e.g. '--dispatch concurrent' for an A/B of pair "
+        "settings under concurrent dispatch",
+    )
     args = ap.parse_args(argv)
     if args.ours_b_proxy and args.ours_b is None:
         args.ours_b = {}
@@ -726,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         ours_b=args.ours_b,
         ours_b_src=args.ours_b_src,
         ours_b_proxy=args.ours_b_proxy,
+        ours_proxy=args.ours_proxy,
     )
     print(
         f"starting servers (logs in {log_dir}); vLLM takes minutes to start on 2 cores", flush=True
@@ -754,6 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         "ours_b": args.ours_b,
         "ours_b_src": str(args.ours_b_src) if args.ours_b_src else None,
         "ours_b_proxy": args.ours_b_proxy,
+        "ours_proxy": args.ours_proxy,
     }
     record(args.out_dir, stack, settings, samples, cells)
     return 0

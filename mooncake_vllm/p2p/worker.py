@@ -134,6 +134,8 @@ class _Totals:
     retries: int = 0
     stalls: int = 0
     layered: bool = False
+    # A layered pull: when its prefill had written every layer (its time counts from there).
+    all_written_at: float | None = None
 
     def add(self, read) -> None:
         """Adds one ``TransferAgent.read``."""
@@ -520,12 +522,16 @@ class WorkerHalf:
                 1000 * out.acquire_s,
                 1000 * out.read_s,
             )
+            if out.all_written_at is not None:  # read while the prefill computed: not the pull's
+                start = max(start, out.all_written_at)
+            figures = dataclasses.asdict(out)
+            del figures["all_written_at"]
             return PullOutcome(
                 load.req_id,
                 ok=True,
                 blocks=len(load.local_block_ids),
                 duration_s=time.monotonic() - start,
-                **dataclasses.asdict(out),
+                **figures,
             )
         except CallCancelled as e:
             return PullOutcome(load.req_id, ok=False, reason=str(e), cancelled=True)
@@ -554,10 +560,11 @@ class WorkerHalf:
         pull.out.layered = True
         # Another block size re-blocks all layers at once, once they are all written.
         by_layer = self._block_size is None or h.block_size == self._block_size
-        ready, done = reply.ready, 0
+        ready, done, every = reply.ready, 0, (1 << len(self._segments)) - 1
         while True:
+            if pull.out.all_written_at is None and ready in (ALL_LAYERS, every):
+                pull.out.all_written_at = time.monotonic()
             if by_layer:
-                every = (1 << len(self._segments)) - 1
                 new = (every if ready == ALL_LAYERS else ready) & ~done
                 if new:
                     layers = [i for i in range(len(self._segments)) if new >> i & 1]
