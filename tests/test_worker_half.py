@@ -680,14 +680,14 @@ def test_a_producer_worker_marks_each_layer_of_the_prompts_its_step_completes():
     kv = {name: torch.zeros(8, 4) for name in names}
     try:
         worker._open_marks(kv, [LOCAL] * len(kv))
-        worker.start_load_kv(MooncakeConnectorMetadata(layer_marks=[TID], layers_token=b"k"))
-        worker.save_layer("model.layers.2.self_attn.attn")
+        step = MooncakeConnectorMetadata(layer_marks=[TID], layers_token=b"k")
+        worker.save_layer("model.layers.2.self_attn.attn", step)
         assert pull.poll(2000)
         done = msgspec.msgpack.decode(pull.recv(), type=LayerDone)
         # Segment order is vLLM's names sorted as strings: layer 2 is the fourth segment.
         assert done == LayerDone(b"k", 0, 3, [TID])
-        worker.start_load_kv(MooncakeConnectorMetadata())  # a step that completes no prompt
-        worker.save_layer("model.layers.0.self_attn.attn")
+        # A step that completes no prompt.
+        worker.save_layer("model.layers.0.self_attn.attn", MooncakeConnectorMetadata())
         assert not pull.poll(200)
         with pytest.raises(RuntimeError, match="one KV tensor per layer"):
             worker._open_marks(kv, [LOCAL] * 8)

@@ -129,8 +129,10 @@ class MooncakeConnector(HalvesConnector):
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         # Pull design: the producer saves nothing, consumers read its blocks; with
         # layerwise_handoff it says which layers are written.
-        if self._worker is not None:
-            self._worker.save_layer(layer_name)
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, MooncakeConnectorMetadata)
+            self._worker.save_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         return

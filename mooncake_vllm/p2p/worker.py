@@ -201,12 +201,10 @@ class WorkerHalf:
         self._bytes_per_block = 0
         self._claim: zmq.Socket | None = None
         self._finished_sending: set[str] = set()  # from the scheduler's metadata, this step
-        # Producer, ``layerwise_handoff``: the layer of each KV tensor (segment order), the
-        # socket to the lease server, and this step's transfers to mark.
+        # Producer, ``layerwise_handoff``: the layer of each KV tensor (segment order), and the
+        # socket to the lease server.
         self._layer_index: dict[str, int] = {}
         self._marks_out: zmq.Socket | None = None
-        self._marks: list[str] = []
-        self._marks_token = b""
         # Pending pulls (waiting for their prefill), set when vLLM finished their request.
         self._cancels: dict[str, threading.Event] = {}
         self._client: SideChannelClient | None = None
@@ -336,15 +334,16 @@ class WorkerHalf:
         self._marks_out.setsockopt(zmq.LINGER, 0)
         self._marks_out.connect(layers_endpoint(self._cfg.host, self._cfg.base_port))
 
-    def save_layer(self, layer_name: str) -> None:
+    def save_layer(self, layer_name: str, meta: MooncakeConnectorMetadata) -> None:
         """vLLM has written ``layer_name``'s KV of this step (CPU: before this call returns):
-        tell the lease server, for the prompts this step completes."""
-        if not self._marks or self._marks_out is None:
+        tell the lease server, for the prompts this step completes (``meta``, the step's
+        metadata, bound before the forward; vLLM calls ``start_load_kv`` only after it)."""
+        if not meta.layer_marks or self._marks_out is None:
             return
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
-        done = LayerDone(self._marks_token, self._tp_rank, layer, self._marks)
+        done = LayerDone(meta.layers_token, self._tp_rank, layer, meta.layer_marks)
         # ZMQError: the lease server is gone or behind; the finish still hands over.
         with contextlib.suppress(zmq.ZMQError):
             self._marks_out.send(encode(done), zmq.NOBLOCK)
@@ -387,7 +386,6 @@ class WorkerHalf:
 
     def start_load_kv(self, meta: MooncakeConnectorMetadata) -> None:
         self._finished_sending |= meta.finished_sending
-        self._marks, self._marks_token = meta.layer_marks, meta.layers_token
         for load in meta.loads:
             assert self._pulls is not None, "loads are only planned on a consumer"
             if isinstance(load.handoff, PendingHandoff):
@@ -557,7 +555,6 @@ class WorkerHalf:
         h, deadline = pull.handoff, pull.job.deadline_s
         if not heads:  # acquired only to be released: nothing to read, nothing to wait for
             return
-        pull.out.layered = True
         # Another block size re-blocks all layers at once, once they are all written.
         by_layer = self._block_size is None or h.block_size == self._block_size
         ready, done, every = reply.ready, 0, (1 << len(self._segments)) - 1
@@ -570,6 +567,7 @@ class WorkerHalf:
                     layers = [i for i in range(len(self._segments)) if new >> i & 1]
                     self._read(pull, rank, heads, reply, layers)
                     done |= new
+                    pull.out.layered |= ready != ALL_LAYERS
             if ready == ALL_LAYERS:
                 break
             wait_s = deadline - time.monotonic()
