@@ -233,6 +233,18 @@ class EngineCoreHandle:
                     return True
         return False
 
+    def queued(self) -> bool:
+        """Whether a request waits to be scheduled (not for its KV): asked while a step is
+        being scheduled, this means requests queue behind the step."""
+        from vllm.v1.request import RequestStatus
+
+        sched = self._core.scheduler
+        return any(
+            r.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+            for name in _WAITING_QUEUES
+            for r in getattr(sched, name, ())
+        )
+
 
 def shorten_queue_spin(busy_loop_s: float | None) -> int:
     """Sets ``busy_loop_s`` of every shared-memory queue reader already made in this process and

@@ -803,3 +803,20 @@ def test_a_prompt_prefilled_in_chunks_is_held_when_it_finishes(layerwise_produce
     assert held and protocol.parse_handoff(params).transfer_id == tid
     acquire = protocol.Acquire(tid, [], b"o" * protocol.OWNER_BYTES, 1, "", 1000, True)
     assert client.call(address, acquire, 5).ready == protocol.ALL_LAYERS
+
+
+def test_a_prompt_sharing_its_step_is_held_when_it_finishes(layerwise_producer):
+    """Reads beside a step's compute slow it when other prompts share it: only a prompt alone
+    in its step opens its lease early."""
+    half = layerwise_producer[0]
+    req = request("p1", 300, {"do_remote_decode": True, "transfer_id": "12" * 16})
+    half.update_state_after_alloc(req, Blocks([5, 6, 7]), 0)
+    new = SimpleNamespace(req_id="p1", block_ids=([5, 6, 7],), num_computed_tokens=0)
+    step = SimpleNamespace(
+        total_num_scheduled_tokens=300 + 40, finished_req_ids=set(),
+        scheduled_new_reqs=[new], num_scheduled_tokens={"p1": 300, "other": 40},
+    )  # fmt: skip
+    assert half.build_connector_meta(step).layer_marks == []
+    req.status, req.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 300
+    held, params = half.request_finished(req, [5, 6, 7])
+    assert held and protocol.parse_handoff(params).remote_block_ids == [5, 6, 7]

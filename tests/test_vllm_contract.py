@@ -115,6 +115,16 @@ def test_the_engine_core_is_idle_only_when_every_waiting_request_waits_for_us():
     assert _core(finished=["y"])[0].busy_with_others()
 
 
+def test_queued_says_whether_a_request_waits_to_be_scheduled():
+    handle, st = _core(running=["x"])
+    assert not handle.queued()
+    handle, st = _core(waiting=[("a", None)])
+    handle._core.scheduler.waiting[0].status = st.WAITING_FOR_REMOTE_KVS
+    assert not handle.queued()
+    handle._core.scheduler.waiting[0].status = st.WAITING
+    assert handle.queued()
+
+
 def test_rest_waits_on_the_input_queue_until_a_request_arrives():
     import queue
     import time

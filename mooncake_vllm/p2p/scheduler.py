@@ -336,30 +336,36 @@ class SchedulerHalf:
         return True, None  # freed once the lease has ended (``take_finished``)
 
     def _open_computing(self, scheduler_output: SchedulerOutput) -> list[str]:
-        """``layerwise_handoff``: opens a lease, computing, for each request to hand over whose
-        prompt this step completes in one go (a prompt prefilled in chunks, or resumed, is held
-        when it finishes, as without the setting); their transfer ids, for the workers' marks."""
-        opened: list[str] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            request = self._producing.pop(new.req_id, None)
-            if request is None:
-                continue
-            scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            prompt_len = request.num_prompt_tokens
-            if new.num_computed_tokens + scheduled < prompt_len:
-                continue
-            num_blocks = -(-prompt_len // self._block_size)
-            block_ids = list(new.block_ids[0][:num_blocks])
-            if len(block_ids) < num_blocks:
-                continue
-            params = request.kv_transfer_params or {}
-            tid = self._new_transfer_id(params.get("transfer_id"))
-            handoff = self._handoff(request, tid, block_ids)
-            if self._leases.hold(new.req_id, tid, block_ids, handoff, computing=True):
-                self._early[new.req_id] = handoff
-                opened.append(tid)
-        self._producing.clear()  # not completed in its first step: held when it finishes
-        return opened
+        """``layerwise_handoff``: opens a lease, computing, for a request to hand over whose
+        prompt this step computes whole and alone, with no request queued behind it; its
+        transfer id, for the workers' marks. Then the step's compute leaves the host's other
+        cores idle and a consumer reading beside it costs nobody; with prompts sharing the step
+        or queued behind it, reads during the step slow the compute they all wait for (measured,
+        docs/benchmarks.md). Any other request to hand over is held when it finishes, as without
+        the setting (so is a prompt prefilled in chunks, or resumed)."""
+        candidates, self._producing = self._producing, {}
+        new = next((n for n in scheduler_output.scheduled_new_reqs if n.req_id in candidates), None)
+        if new is None:
+            return []
+        request = candidates[new.req_id]
+        scheduled = scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+        prompt_len = request.num_prompt_tokens
+        num_blocks = -(-prompt_len // self._block_size)
+        block_ids = list(new.block_ids[0][:num_blocks])
+        if (
+            new.num_computed_tokens + scheduled < prompt_len
+            or scheduler_output.total_num_scheduled_tokens != scheduled
+            or len(block_ids) < num_blocks
+            or (self._engine_core is not None and self._engine_core.queued())
+        ):
+            return []
+        params = request.kv_transfer_params or {}
+        tid = self._new_transfer_id(params.get("transfer_id"))
+        handoff = self._handoff(request, tid, block_ids)
+        if not self._leases.hold(new.req_id, tid, block_ids, handoff, computing=True):
+            return []
+        self._early[new.req_id] = handoff
+        return [tid]
 
     def _handoff(self, request: Request, transfer_id: str, block_ids: list[int]) -> Handoff:
         return Handoff(
