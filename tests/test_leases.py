@@ -74,7 +74,7 @@ def test_a_computing_lease_is_granted_only_to_pending_acquires_that_take_layers(
     assert t.is_live("t-1") and t.is_live("t-2")
 
 
-def test_layers_are_ready_once_every_rank_wrote_them_and_all_once_finished(clock):
+def test_layers_are_ready_once_every_rank_wrote_them_and_all_once_all_are(clock):
     t = _computing(clock, marks_needed=2)
     t.acquire("t-1", [], A, pending=True, layers_ok=True)
     assert t.mark("t-1", 1) and t.progress("t-1", A) == 0  # one rank of two
@@ -83,11 +83,24 @@ def test_layers_are_ready_once_every_rank_wrote_them_and_all_once_finished(clock
     assert t.progress("t-1", A) == 0b010
     assert not t.mark("t-1", 7) and not t.mark("t-9", 0)  # no such layer or lease
     assert t.progress("t-1", B) == "transfer t-1 was not acquired by this peer"
+    for layer in (0, 2, 2):
+        t.mark("t-1", layer)
+    # Every layer written in the request's last step: complete, while it still computes.
+    assert t.progress("t-1", A) == ALL_LAYERS and t.held_bytes == 0
     t.add("req-1", "t-1", [3, 4], 100)  # the request finished: its blocks are held now
     assert t.progress("t-1", A) == ALL_LAYERS and t.held_bytes == 100
     assert not t.mark("t-1", 2)
     t.release("t-1", A)
     assert t.take_finished() == {"req-1"}
+
+
+def test_a_lease_opened_computing_is_complete_once_its_request_finished(clock):
+    t = _computing(clock)  # a layer whose marks never came: the finish completes it
+    t.acquire("t-1", [], A, pending=True, layers_ok=True)
+    t.mark("t-1", 0)
+    assert t.progress("t-1", A) == 0b001
+    t.add("req-1", "t-1", [3, 4], 100)
+    assert t.progress("t-1", A) == ALL_LAYERS
 
 
 def test_a_lease_read_before_its_request_finished_is_freed_only_when_it_does(clock):

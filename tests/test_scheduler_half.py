@@ -722,10 +722,13 @@ def layerwise_producer():
     half.shutdown()
 
 
-def _last_step(half, req_id: str, tid: str, prompt_len: int = 300, scheduled: int = 300):
-    """vLLM's calls for a prefill request scheduled now (its whole prompt unless ``scheduled``
-    says less): the step's metadata."""
+def _last_step(
+    half, req_id: str, tid: str, prompt_len: int = 300, scheduled: int = 300, max_tokens: int = 1
+):
+    """vLLM's calls for a prefill leg scheduled now (its whole prompt unless ``scheduled`` says
+    less): the step's metadata."""
     req = request(req_id, prompt_len, {"do_remote_decode": True, "transfer_id": tid})
+    req.sampling_params = SimpleNamespace(max_tokens=max_tokens)
     half.update_state_after_alloc(req, Blocks([5, 6, 7]), 0)
     new = SimpleNamespace(req_id=req_id, block_ids=([5, 6, 7],), num_computed_tokens=0)
     step = SimpleNamespace(
@@ -793,10 +796,14 @@ def test_an_aborted_prefill_refuses_its_reader_and_holds_the_blocks_until_releas
     assert half.build_connector_meta(STEP).finished_sending == {"p1"}
 
 
-def test_a_prompt_prefilled_in_chunks_is_held_when_it_finishes(layerwise_producer):
+@pytest.mark.parametrize("step", [{"scheduled": 128}, {"max_tokens": 2}], ids=["chunk", "decodes"])
+def test_a_prompt_prefilled_in_chunks_or_followed_by_decoding_is_held_when_it_finishes(
+    layerwise_producer, step
+):
+    """Not the request's last step, or not its whole prompt: its blocks are held at the end."""
     half, _, client, address = layerwise_producer
     tid = "ef" * 16
-    req, meta = _last_step(half, "p1", tid, scheduled=128)  # a first chunk
+    req, meta = _last_step(half, "p1", tid, **step)
     assert meta.layer_marks == []
     req.status, req.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 300
     held, params = half.request_finished(req, [5, 6, 7])
@@ -810,6 +817,7 @@ def test_a_prompt_sharing_its_step_is_held_when_it_finishes(layerwise_producer):
     in its step opens its lease early."""
     half = layerwise_producer[0]
     req = request("p1", 300, {"do_remote_decode": True, "transfer_id": "12" * 16})
+    req.sampling_params = SimpleNamespace(max_tokens=1)
     half.update_state_after_alloc(req, Blocks([5, 6, 7]), 0)
     new = SimpleNamespace(req_id="p1", block_ids=([5, 6, 7],), num_computed_tokens=0)
     step = SimpleNamespace(

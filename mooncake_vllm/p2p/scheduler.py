@@ -337,8 +337,10 @@ class SchedulerHalf:
 
     def _open_computing(self, scheduler_output: SchedulerOutput) -> list[str]:
         """``layerwise_handoff``: opens a lease, computing, for a request to hand over whose
-        prompt this step computes whole and alone, with no request queued behind it; its
-        transfer id, for the workers' marks. Then the step's compute leaves the host's other
+        prompt this step computes whole and alone, with no request queued behind it, and which
+        ends with this step (``max_tokens`` 1, a prefill leg: nothing writes or frees its blocks
+        afterwards, so its KV is complete once every layer is written); its transfer id, for
+        the workers' marks. Then the step's compute leaves the host's other
         cores idle and a consumer reading beside it costs nobody; with prompts sharing the step
         or queued behind it, reads during the step slow the compute they all wait for (measured,
         docs/benchmarks.md). Any other request to hand over is held when it finishes, as without
@@ -353,7 +355,8 @@ class SchedulerHalf:
         num_blocks = -(-prompt_len // self._block_size)
         block_ids = list(new.block_ids[0][:num_blocks])
         if (
-            new.num_computed_tokens + scheduled < prompt_len
+            getattr(request.sampling_params, "max_tokens", None) != 1
+            or new.num_computed_tokens + scheduled < prompt_len
             or scheduler_output.total_num_scheduled_tokens != scheduled
             or len(block_ids) < num_blocks
             or (self._engine_core is not None and self._engine_core.queued())

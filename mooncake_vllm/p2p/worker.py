@@ -549,9 +549,10 @@ class WorkerHalf:
         owner: bytes,
     ) -> None:
         """``_read`` for a grant given while the prefill computes (``layerwise_handoff``): the
-        layers written so far, then each batch the producer reports (``Await``), until the
-        prefill has finished. Only then is the pull done: a prefill that ends without a handover
-        (aborted) is refused, so a read of blocks it no longer holds never counts."""
+        layers written so far, then each batch the producer reports (``Await``), until it says
+        ``ALL_LAYERS`` (every layer written in the request's last step, or the request has
+        finished); a refusal (the lease ended: the prefill was aborted before its layers were
+        all written) fails the pull."""
         h, deadline = pull.handoff, pull.job.deadline_s
         if not heads:  # acquired only to be released: nothing to read, nothing to wait for
             return

@@ -21,13 +21,14 @@ only a ``Release`` with the token of an acquire of that lease ends it (a strange
 acquired, or who guessed nothing, changes nothing). ``readers`` is bounded by the hold's
 ``max_readers`` and fixed by the first acquire.
 
-Layer by layer (``layerwise_handoff``): a lease can open while its prefill still computes, in
-the step that completes the prompt (``computing``). Its blocks then belong to the running request,
-not to the lease: it is granted only to acquires that take layers as they come (``layers_ok``),
-the producer's workers mark each layer written (``mark``), and only the engine core's finishing
-``add`` (the request finished and its blocks are held) or ``abort`` (it finished without a
-handover) ends the computing. A lease ended while computing reports its request finished only
-once that has come, so vLLM never frees the blocks of a running request.
+Layer by layer (``layerwise_handoff``): a lease can open while its prefill still computes, in the
+request's last step, which completes the prompt (``computing``). Its blocks then belong to the
+running request, not to the lease: it is granted only to acquires that take layers as they come
+(``layers_ok``), the producer's workers mark each layer written (``mark``; all written: ready), and
+only the engine core's finishing ``add`` (the request finished and its blocks are held) or ``abort``
+(it finished without a handover; its blocks are held all the same) ends the computing. A lease ended
+while computing reports its request finished only once that has come, so vLLM never frees the blocks
+of a running request.
 
 Used by the lease server's one thread (``leases.process``); locked all the same.
 """
@@ -82,10 +83,14 @@ class Lease:
 
     @property
     def ready(self) -> int:
-        """``ALL_LAYERS`` once the request has finished; else the written layers' bitmask."""
-        if not self.computing:
+        """``ALL_LAYERS`` once every layer is written (a computing lease is opened only in its
+        request's last step: nothing writes its blocks afterwards, and they are held until the
+        lease ends whatever becomes of the request) or the request has finished; else the
+        written layers' bitmask."""
+        written = [n >= self.marks_needed for n in self.marks]
+        if not self.computing or all(written):
             return ALL_LAYERS
-        return sum(1 << i for i, n in enumerate(self.marks) if n >= self.marks_needed)
+        return sum(1 << i for i, w in enumerate(written) if w)
 
     def all_released(self) -> bool:
         return len(self.released_by) >= (len(self.owners) if self.aborted else self.readers)
