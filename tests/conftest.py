@@ -177,8 +177,14 @@ def _start_cluster(model: str, tmp_path_factory) -> Cluster:
     env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     specs = [
         reference_spec("plain"),
+        # With layerwise_handoff (off by default): every test on the pair goes through the lease
+        # opened in the prefill's last step; those with concurrent dispatch read layer by layer.
+        # The other modules' producers run without it.
         ServerSpec(
-            "prefill", PREFILL_HOST, kv_args("kv_producer", {"lease_ttl_s": LEASE_TTL_S}), env
+            "prefill",
+            PREFILL_HOST,
+            kv_args("kv_producer", {"lease_ttl_s": LEASE_TTL_S, "layerwise_handoff": True}),
+            env,
         ),
         ServerSpec(
             "decode",

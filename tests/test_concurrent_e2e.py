@@ -1,6 +1,7 @@
 """The proxy's ``--dispatch concurrent`` on the shared cluster's real pair: the decode request
 leaves with the prefill request, waits for the KV without stepping, and is token-exact against
-the plain vLLM; a failure of either leg ends the other, and no block stays held.
+the plain vLLM; a failure of either leg ends the other, and no block stays held. The pair's
+prefill has ``layerwise_handoff``: decodes read layers while their prefill computes.
 
 No vLLM of its own: the cluster's prefill, decode (policy recompute) and kv_both instance (policy
 fail), and proxies served in the test's event loop.
@@ -14,12 +15,23 @@ import secrets
 
 import pytest
 
-from harness.pd import complete, eventually, greedy_body, tokens_by_transfer
+from harness.pd import (
+    PULL_COUNTERS,
+    complete,
+    eventually,
+    greedy_body,
+    pulls_since,
+    tokens_by_transfer,
+    two_legs,
+)
 from tests.test_proxy_faults import metric_value
 
 pytestmark = pytest.mark.servers
 
 MAX_TOKENS = 8
+# What a pending handoff says about its producer (the proxy learns it from earlier handoffs).
+PRODUCER_FIELDS = ("producer_engine_id", "side_channel_host", "side_channel_ports",
+                   "producer_tp_size")  # fmt: skip
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:
@@ -168,6 +180,29 @@ async def test_a_client_that_goes_away_cancels_both_legs(pd, http, start_proxy):
     )
     await asyncio.gather(*queued)
     await eventually(lambda: nothing_held(pd.prefill), 10, "the prefill freed")
+
+
+async def test_a_decode_waiting_before_its_prefill_reads_the_layers_as_they_are_written(pd, http):
+    """The legs by hand, the decode's first: its acquire waits at the prefill before the prompt
+    is scheduled, so with the prefill's ``layerwise_handoff`` (a prompt alone in its step) it is
+    granted in that step and reads layers while the rest are computed; token-exact, one pull."""
+    body = greedy_body(pd.model, prompts(81, [1500])[0], MAX_TOKENS)
+    head, _ = await two_legs(http, pd.prefill, pd.decode, greedy_body(pd.model, [5, 6, 7], 2))
+    where = {k: head.kv_transfer_params[k] for k in PRODUCER_FIELDS}
+    tid = secrets.token_hex(16)
+    pending = {"do_remote_prefill": True, "pending": True, "transfer_id": tid, **where}
+    before = PULL_COUNTERS.read(pd.decode)
+    layered = pd.decode.metric("mooncake_vllm:layered_total")
+    decode = asyncio.create_task(complete(http, pd.decode, {**body, "kv_transfer_params": pending}))
+    await eventually(lambda: pd.decode.metric("vllm:num_requests_waiting") == 1, 10, "parked")
+    prefill_leg = {**body, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True, "transfer_id": tid}}  # fmt: skip
+    assert (await complete(http, pd.prefill, prefill_leg)).kv_transfer_params["transfer_id"] == tid
+    assert (await decode).token_ids == (await complete(http, pd.plain, body)).token_ids
+    moved = await pulls_since(pd.decode, before, 1)
+    assert (moved["pulls"], moved["pull_failures"]) == (1, 0)
+    assert pd.decode.metric("mooncake_vllm:layered_total") == layered + 1
+    await eventually(lambda: nothing_held(pd.prefill) and nothing_held(pd.decode), 10, "freed")
 
 
 @pytest.mark.provokes_pull_failure
