@@ -64,10 +64,13 @@ def _computing(clock, marks_needed=1) -> LeaseTable:
 
 def test_a_computing_lease_is_granted_only_to_pending_acquires_that_take_layers(clock):
     t = _computing(clock)
-    assert t.acquire("t-1", [3, 4], A) is NOT_YET  # a handoff's acquire: not before the end
-    assert t.acquire("t-1", [], A, pending=True) is NOT_YET  # waits for the end
+    assert t.acquire("t-1", [3, 4], A) is NOT_YET  # not for a consumer that waits for the end
+    assert t.acquire("t-1", [], A, pending=True) is NOT_YET
     lease = t.acquire("t-1", [], B, pending=True, layers_ok=True)
     assert lease.state is LeaseState.PULLING and lease.ready == 0
+    # A second producer rank's lease, acquired with the handoff the first rank granted.
+    t2 = _computing(clock)
+    assert t2.acquire("t-1", [3, 4], B, layers_ok=True).ready == 0
     # Its blocks belong to the running request: no budget, no held bytes, never evicted.
     assert t.held_bytes == 0
     t.add("req-2", "t-2", [5], 1000)

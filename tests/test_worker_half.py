@@ -158,7 +158,7 @@ def test_a_pull_that_ends_is_reported_once_and_settled(engine):
     assert worker.get_stats().data["pulls"] == 1
     worker.shutdown()
     acquire, release = channel.frames
-    assert acquire == protocol.Acquire("t-req-1", [1, 2], acquire.owner, readers=1)
+    assert acquire == protocol.Acquire("t-req-1", [1, 2], acquire.owner, readers=1, layers_ok=True)
     assert len(acquire.owner) == protocol.OWNER_BYTES
     # Only the owner can release it.
     assert release == protocol.Release("t-req-1", True, acquire.owner)
@@ -219,7 +219,7 @@ def test_a_load_vllm_does_not_wait_for_only_releases_the_lease(engine):
     # Only an owner may release a lease (before owner tokens: a bare Release), so the worker
     # acquires the whole hold, then releases it at once; nothing is read.
     acquire, release = channel.frames
-    assert acquire == protocol.Acquire("t-req-1", [1, 2], acquire.owner)
+    assert acquire == protocol.Acquire("t-req-1", [1, 2], acquire.owner, layers_ok=True)
     assert release == protocol.Release("t-req-1", True, acquire.owner)
     assert engine.submitted == []
 
@@ -238,7 +238,7 @@ def test_a_rejected_handoff_fails_without_reading_and_frees_the_producers_lease(
     assert (recving, failed, settled) == ({"req-1"}, {"req-1"}, ["req-1"])
     assert engine.submitted == []
     acquire, release = channel.frames  # acquired only to be released, as failed
-    assert acquire == protocol.Acquire("t-req-1", [1, 2], acquire.owner)
+    assert acquire == protocol.Acquire("t-req-1", [1, 2], acquire.owner, layers_ok=True)
     assert release == protocol.Release("t-req-1", False, acquire.owner)
 
 

@@ -213,8 +213,8 @@ class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     # A pending handoff's acquire (no blocks, no incarnation yet): the producer answers it when
     # the lease exists, or refuses it after this long.
     wait_ms: int = 0
-    # A pending acquire that takes a grant while the prefill still computes (``Granted.ready``;
-    # a producer with ``layerwise_handoff``); the rest of the layers come in ``Progress``.
+    # This consumer takes a grant while the prefill still computes (``Granted.ready``; a
+    # producer with ``layerwise_handoff``); the rest of the layers come in ``Progress``.
     layers_ok: bool = False
 
 

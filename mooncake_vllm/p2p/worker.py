@@ -762,9 +762,16 @@ class WorkerHalf:
             wait_ms = int(max(0.1, timeout_s - _PENDING_MARGIN_S) * 1000)
             frame = Acquire(h.transfer_id, [], owner, readers, "", wait_ms=wait_ms, layers_ok=True)
         else:
-            # The acquire names all the hold's blocks, whatever this consumer reads of them.
+            # The acquire names all the hold's blocks, whatever this consumer reads of them. Its
+            # grant may come while the prefill computes: a handoff granted by the first of
+            # several producer ranks (``layerwise_handoff``).
             frame = Acquire(
-                h.transfer_id, h.remote_block_ids, owner, readers, h.producer_incarnation
+                h.transfer_id,
+                h.remote_block_ids,
+                owner,
+                readers,
+                h.producer_incarnation,
+                layers_ok=True,
             )
         reply = self._client.call(
             address, frame, timeout_s=max(0.1, timeout_s), cancelled=cancelled

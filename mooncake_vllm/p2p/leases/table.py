@@ -227,9 +227,10 @@ class LeaseTable:
     ) -> Lease | str | object | None:
         """The lease, now PULLING; or a refusal reason; or None if the id is unknown; or
         ``NOT_YET`` for an acquire that must wait for the prefill to finish (a computing lease,
-        and the acquire does not take layers as they come: ``layers_ok``). A ``pending``
-        acquire (a pending handoff's: the consumer knows the id, not the blocks) names no
-        blocks."""
+        and the acquire does not take layers as they come: ``layers_ok``; a consumer reading
+        several producer ranks acquires the later ones with the handoff the first granted). A
+        ``pending`` acquire (a pending handoff's: the consumer knows the id, not the blocks)
+        names no blocks."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
@@ -237,7 +238,7 @@ class LeaseTable:
                 return f"transfer {short_id(transfer_id)} already {reason}" if reason else None
             if lease.aborted:
                 return f"the prefill of transfer {short_id(transfer_id)} ended without a handover"
-            if lease.computing and not (pending and layers_ok):
+            if lease.computing and not layers_ok:
                 return NOT_YET
             if pending and lease.handoff is None:
                 return f"transfer {short_id(transfer_id)} cannot be acquired pending"
