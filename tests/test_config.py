@@ -339,3 +339,25 @@ def test_local_hostname_replaces_the_url_host():
 )
 def test_metadata_target(settings, target):
     assert resolve(_settings(**settings), "kv_producer", "e", 1).metadata == target
+
+
+@pytest.mark.parametrize(
+    ("device", "async_scheduling", "ok"),
+    [("cpu", False, True), ("cuda", False, False), ("cpu", True, False)],
+)
+def test_layerwise_handoff_is_refused_at_startup_off_vllms_synchronous_cpu_backend(
+    device, async_scheduling, ok
+):
+    from types import SimpleNamespace
+
+    from mooncake_vllm.p2p.connector import check_layerwise
+
+    vllm_config = SimpleNamespace(
+        device_config=SimpleNamespace(device_type=device),
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+    )
+    if ok:
+        check_layerwise(vllm_config)
+        return
+    with pytest.raises(ConfigError, match=r"layerwise_handoff=true .* to false"):
+        check_layerwise(vllm_config)
