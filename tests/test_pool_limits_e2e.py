@@ -38,6 +38,9 @@ BLOCK = 128  # vLLM's CPU block size: one pool key per block and TP rank
 SEGMENT_MIB, POOL_BLOCKS = 16, 48
 # mooncake_master's default --eviction_high_watermark_ratio: above it the master evicts.
 EVICTION_WATERMARK = 0.9
+# mooncake_master's default --default_kv_lease_ttl: a read leases its objects this long, and
+# the master evicts no leased object.
+READ_LEASE_S = 10.0
 # Not the suite's Llama (3 layers, 3 KV heads of 32): another layout in the same pool.
 OTHER_MODEL = TinyModelSpec(layers=3, hidden=192, heads=6, kv_heads=3, head_dim=32,
                             intermediate=384, seed=4321)  # fmt: skip
@@ -101,6 +104,12 @@ async def test_a_full_pool_fails_or_evicts_puts_and_every_request_still_answers_
     hits: list[int] = []
     claimed: list[int] = []  # prompt tokens each decode counted as external
     for i, prompt in enumerate(batch):
+        if i == first_round:
+            # The first round's blocks stay leased for a while after the decode read them, and
+            # the master evicts none of them meanwhile: a fresh prompt's blocks, put into the
+            # full pool, would be the only ones it could evict (seen on a fast host: no later
+            # prompt found its blocks). Let those leases end first.
+            await asyncio.sleep(READ_LEASE_S + 0.5)
         ref = await complete(http, small_pool["plain"], body(model, prompt))
         before, ext0 = POOL_COUNTERS.read(decode), tokens_by_transfer(decode)
         got = await minimal_proxy(http, prefill, decode, body(model, prompt, stream=i % 2 == 0))
