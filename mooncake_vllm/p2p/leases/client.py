@@ -160,8 +160,7 @@ class LeaseService:
         with); False (nothing held) if the lease server is gone, since no consumer could pull
         it. ``computing``: opened in the prefill's last step (``layerwise_handoff``); a second
         hold without it, or ``abort``, follows when the request has finished."""
-        n = len(block_ids)
-        per_rank = [n * self._layouts[r].bytes_per_block for r in range(self._tp_size)]
+        per_rank = self._rank_bytes(len(block_ids))
         hold = Hold(
             req_id,
             transfer_id,
@@ -182,11 +181,13 @@ class LeaseService:
         """The request of a hold opened computing finished without a handover: its blocks are
         held until the consumers that acquired it have released it (``Ended``)."""
         with self._lock:
-            self._held_bytes[req_id] = len(block_ids) * sum(
-                self._layouts[r].bytes_per_block for r in range(self._tp_size)
-            )
+            self._held_bytes[req_id] = sum(self._rank_bytes(len(block_ids)))
         if not self._send(Abort(req_id, transfer_id)):
             return  # gone: ``take_finished`` frees the blocks after the longest pull
+
+    def _rank_bytes(self, blocks: int) -> list[int]:
+        """The bytes ``blocks`` blocks take on each TP rank."""
+        return [blocks * self._layouts[r].bytes_per_block for r in range(self._tp_size)]
 
     def take_finished(self) -> set[str]:
         """Requests whose lease has ended in every table: their blocks can be freed."""
