@@ -59,9 +59,19 @@ async def concurrent_proxy(http, start_proxy, pd, **config) -> str:
 
 
 async def busy_prefill(http, pd, n: int = 6) -> list[asyncio.Task]:
-    """Queues ``n`` long prompts straight at the prefill, so that the next one waits there."""
+    """Queues ``n`` long prompts straight at the prefill (about 1 s of work here for six), and
+    returns once they are all there, so that the next one waits behind them."""
     bodies = [greedy_body(pd.model, p, 1) for p in prompts(secrets.randbits(32), [1500] * n)]
-    return [asyncio.create_task(complete(http, pd.prefill, b)) for b in bodies]
+    tasks = [asyncio.create_task(complete(http, pd.prefill, b)) for b in bodies]
+
+    def arrived() -> int:
+        at_prefill = sum(
+            pd.prefill.metric(f"vllm:num_requests_{s}") for s in ("running", "waiting")
+        )
+        return at_prefill + sum(t.done() for t in tasks)
+
+    await eventually(lambda: arrived() >= n, 10, f"{n} prompts at the prefill")
+    return tasks
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
@@ -128,8 +138,9 @@ async def test_past_the_expected_wait_a_burst_goes_sequentially_and_every_reques
 async def test_a_prefill_that_fails_cancels_the_waiting_decode_and_frees_its_blocks(
     pd, http, start_proxy
 ):
-    # The prefill leg misses its deadline (504) while the decode waits for its KV.
-    proxy = await concurrent_proxy(http, start_proxy, pd, prefill_timeout_s=0.5)
+    # The prefill leg misses its deadline (504) while the decode waits for its KV: its prompt
+    # alone takes about 0.15 s here, the queue ahead of it about 1 s.
+    proxy = await concurrent_proxy(http, start_proxy, pd, prefill_timeout_s=0.25)
     cancelled = pd.decode.metric("mooncake_vllm:cancelled_total")
     queued = await busy_prefill(http, pd)
     body = greedy_body(pd.model, prompts(72, [1000])[0], MAX_TOKENS)
