@@ -100,6 +100,10 @@ class NotOwner(Exception):
     """A release from a peer that did not acquire the lease: ignored, and counted."""
 
 
+def _no_handover(transfer_id: str) -> str:
+    return f"the prefill of transfer {short_id(transfer_id)} ended without a handover"
+
+
 class LeaseTable:
     def __init__(
         self,
@@ -212,7 +216,7 @@ class LeaseTable:
             if owner not in lease.owners:
                 return f"transfer {short_id(transfer_id)} was not acquired by this peer"
             if lease.aborted:
-                return f"the prefill of transfer {short_id(transfer_id)} ended without a handover"
+                return _no_handover(transfer_id)
             return lease.ready
 
     def acquire(
@@ -237,7 +241,7 @@ class LeaseTable:
                 reason = self._ended.get(transfer_id)
                 return f"transfer {short_id(transfer_id)} already {reason}" if reason else None
             if lease.aborted:
-                return f"the prefill of transfer {short_id(transfer_id)} ended without a handover"
+                return _no_handover(transfer_id)
             if lease.computing and not layers_ok:
                 return NOT_YET
             if pending and lease.handoff is None:
