@@ -219,28 +219,19 @@ class EngineCoreHandle:
 
     def busy_with_others(self, ours: Iterable[str] = ()) -> bool:
         """Whether the scheduler has anything to do but wait for loads: a running request, a
-        finished load to promote, or a waiting request that is neither waiting for its KV nor
-        in ``ours`` (requests our connector told to ask again)."""
+        finished load to promote, or a request ``queued`` that is not in ``ours``."""
+        sched = self._core.scheduler
+        return bool(sched.running or sched.finished_recving_kv_req_ids) or self.queued(ours)
+
+    def queued(self, ours: Iterable[str] = ()) -> bool:
+        """Whether a request waits to be scheduled: not for its KV, nor in ``ours`` (requests
+        our connector told to ask again). Asked while a step is being scheduled, this means
+        requests queue behind the step."""
         from vllm.v1.request import RequestStatus
 
-        sched = self._core.scheduler
-        if sched.running or sched.finished_recving_kv_req_ids:
-            return True
-        ours = set(ours)
-        for name in _WAITING_QUEUES:
-            for r in getattr(sched, name, ()):
-                if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and r.request_id not in ours:
-                    return True
-        return False
-
-    def queued(self) -> bool:
-        """Whether a request waits to be scheduled (not for its KV): asked while a step is
-        being scheduled, this means requests queue behind the step."""
-        from vllm.v1.request import RequestStatus
-
-        sched = self._core.scheduler
+        sched, ours = self._core.scheduler, set(ours)
         return any(
-            r.status != RequestStatus.WAITING_FOR_REMOTE_KVS
+            r.status != RequestStatus.WAITING_FOR_REMOTE_KVS and r.request_id not in ours
             for name in _WAITING_QUEUES
             for r in getattr(sched, name, ())
         )
