@@ -723,17 +723,24 @@ def layerwise_producer():
 
 
 def _last_step(
-    half, req_id: str, tid: str, prompt_len: int = 300, scheduled: int = 300, max_tokens: int = 1
+    half,
+    req_id: str,
+    tid: str,
+    prompt_len: int = 300,
+    scheduled: int = 300,
+    max_tokens: int = 1,
+    others: int = 0,
 ):
     """vLLM's calls for a prefill leg scheduled now (its whole prompt unless ``scheduled`` says
-    less): the step's metadata."""
+    less; ``others``: another request's tokens in the same step): the step's metadata."""
     req = request(req_id, prompt_len, {"do_remote_decode": True, "transfer_id": tid})
     req.sampling_params = SimpleNamespace(max_tokens=max_tokens)
     half.update_state_after_alloc(req, Blocks([5, 6, 7]), 0)
     new = SimpleNamespace(req_id=req_id, block_ids=([5, 6, 7],), num_computed_tokens=0)
+    tokens = {req_id: scheduled} | ({"other": others} if others else {})
     step = SimpleNamespace(
-        total_num_scheduled_tokens=scheduled, finished_req_ids=set(),
-        scheduled_new_reqs=[new], num_scheduled_tokens={req_id: scheduled},
+        total_num_scheduled_tokens=sum(tokens.values()), finished_req_ids=set(),
+        scheduled_new_reqs=[new], num_scheduled_tokens=tokens,
     )  # fmt: skip
     return req, half.build_connector_meta(step)
 
@@ -796,35 +803,22 @@ def test_an_aborted_prefill_refuses_its_reader_and_holds_the_blocks_until_releas
     assert half.build_connector_meta(STEP).finished_sending == {"p1"}
 
 
-@pytest.mark.parametrize("step", [{"scheduled": 128}, {"max_tokens": 2}], ids=["chunk", "decodes"])
-def test_a_prompt_prefilled_in_chunks_or_followed_by_decoding_is_held_when_it_finishes(
-    layerwise_producer, step
-):
-    """Not the request's last step, or not its whole prompt: its blocks are held at the end."""
+@pytest.mark.parametrize(
+    "step",
+    [{"scheduled": 128}, {"max_tokens": 2}, {"others": 40}],
+    ids=["chunk", "decodes", "shared"],
+)
+def test_a_prompt_not_whole_and_alone_in_its_last_step_is_held_at_the_end(layerwise_producer, step):
+    """Not the request's last step, or not its whole prompt: its blocks are held at the end. So
+    are those of a prompt that shares its step: reads beside a step's compute slow it when other
+    prompts share it, so only a prompt alone in its step opens its lease early."""
     half, _, client, address = layerwise_producer
     tid = "ef" * 16
     req, meta = _last_step(half, "p1", tid, **step)
     assert meta.layer_marks == []
     req.status, req.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 300
     held, params = half.request_finished(req, [5, 6, 7])
-    assert held and protocol.parse_handoff(params).transfer_id == tid
+    handoff = protocol.parse_handoff(params)
+    assert held and handoff.transfer_id == tid and handoff.remote_block_ids == [5, 6, 7]
     acquire = protocol.Acquire(tid, [], b"o" * protocol.OWNER_BYTES, 1, "", 1000, True)
     assert client.call(address, acquire, 5).ready == protocol.ALL_LAYERS
-
-
-def test_a_prompt_sharing_its_step_is_held_when_it_finishes(layerwise_producer):
-    """Reads beside a step's compute slow it when other prompts share it: only a prompt alone
-    in its step opens its lease early."""
-    half = layerwise_producer[0]
-    req = request("p1", 300, {"do_remote_decode": True, "transfer_id": "12" * 16})
-    req.sampling_params = SimpleNamespace(max_tokens=1)
-    half.update_state_after_alloc(req, Blocks([5, 6, 7]), 0)
-    new = SimpleNamespace(req_id="p1", block_ids=([5, 6, 7],), num_computed_tokens=0)
-    step = SimpleNamespace(
-        total_num_scheduled_tokens=300 + 40, finished_req_ids=set(),
-        scheduled_new_reqs=[new], num_scheduled_tokens={"p1": 300, "other": 40},
-    )  # fmt: skip
-    assert half.build_connector_meta(step).layer_marks == []
-    req.status, req.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 300
-    held, params = half.request_finished(req, [5, 6, 7])
-    assert held and protocol.parse_handoff(params).remote_block_ids == [5, 6, 7]
