@@ -340,9 +340,9 @@ class SchedulerHalf:
         prompt this step computes whole and alone, with no request queued behind it, and which
         ends with this step (``max_tokens`` 1, a prefill leg: nothing writes or frees its blocks
         afterwards, so its KV is complete once every layer is written); its transfer id, for
-        the workers' marks. Then the step's compute leaves the host's other
-        cores idle and a consumer reading beside it costs nobody; with prompts sharing the step
-        or queued behind it, reads during the step slow the compute they all wait for (measured,
+        the workers' marks. Then the step's compute leaves the host's other cores idle and a
+        consumer reading beside it costs nobody; with prompts sharing the step or queued behind
+        it, reads during the step slow the compute they all wait for (measured,
         docs/benchmarks.md). Any other request to hand over is held when it finishes, as without
         the setting (so is a prompt prefilled in chunks, or resumed)."""
         candidates, self._producing = self._producing, {}
