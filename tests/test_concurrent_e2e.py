@@ -24,14 +24,12 @@ from harness.pd import (
     tokens_by_transfer,
     two_legs,
 )
+from mooncake_vllm.proxy.producers import producer_of
 from tests.test_proxy_faults import metric_value
 
 pytestmark = pytest.mark.servers
 
 MAX_TOKENS = 8
-# What a pending handoff says about its producer (the proxy learns it from earlier handoffs).
-PRODUCER_FIELDS = ("producer_engine_id", "side_channel_host", "side_channel_ports",
-                   "producer_tp_size")  # fmt: skip
 
 
 def prompts(seed: int, lengths) -> list[list[int]]:
@@ -199,7 +197,7 @@ async def test_a_decode_waiting_before_its_prefill_reads_the_layers_as_they_are_
     granted in that step and reads layers while the rest are computed; token-exact, one pull."""
     body = greedy_body(pd.model, prompts(81, [1500])[0], MAX_TOKENS)
     head, _ = await two_legs(http, pd.prefill, pd.decode, greedy_body(pd.model, [5, 6, 7], 2))
-    where = {k: head.kv_transfer_params[k] for k in PRODUCER_FIELDS}
+    where = producer_of(head.kv_transfer_params)  # what the proxy puts in a pending handoff
     tid = secrets.token_hex(16)
     pending = {"do_remote_prefill": True, "pending": True, "transfer_id": tid, **where}
     before = PULL_COUNTERS.read(pd.decode)
