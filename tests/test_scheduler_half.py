@@ -86,7 +86,7 @@ def consumer():
 @pytest.fixture
 def producer():
     port = free_port_run(2)  # the side channel binds port + 1
-    settings = load_settings({"prefill_url": f"127.0.0.1:{port}"}, env={})
+    settings = load_settings({"prefill_url": f"127.0.0.1:{port}", "bootstrap_port": 0}, env={})
     half = SchedulerHalf(resolve(settings, "kv_producer", "prefill", 1), BLOCK, HASH)
     half.set_layouts(
         {0: RankLayout("127.0.0.1:1", [protocol.MemSegment(0, 1000, 1000)], worker_pid=0)}
@@ -261,21 +261,90 @@ def test_a_finished_prefill_hands_over_its_prompt_blocks_and_holds_them(producer
     assert (stats["held_leases"], stats["held_bytes"]) == (1, 3 * 1000)
 
 
-def test_the_producer_takes_only_a_fresh_128_bit_id_from_the_client(producer):
+XFER = "xfer-3f2b8c1e-9d4a-4e6f-8b1c-2a3d4e5f6a7b"  # upstream's orchestrators' form
+
+
+def test_the_producer_takes_only_a_fresh_random_id_from_the_client(producer, caplog):
     # A client's transfer id could name, or collide with, another request's lease: the producer
-    # takes one only in the form it makes itself (32 hex digits: the proxy's, sent to the decode
-    # too under --dispatch concurrent) and only once; otherwise its own 128 random bits.
+    # takes one only in a random form (32 hex digits: our proxy's, sent to the decode too under
+    # --dispatch concurrent; 'xfer-<uuid4>': vLLM's upstream orchestrators'), otherwise its own
+    # 128 random bits. One it has taken before is refused: nothing is handed over under it.
     good = "0123456789abcdef" * 2
-    ids = []
-    asked = ["t-9", "t-9", None, good, good, good.upper()]
+    asked = ["t-9", "t-9", None, good, good, good.upper(), XFER, XFER, "xfer-not-a-uuid"]
+    answers = []
     for i, tid in enumerate(asked):
         params = {"do_remote_decode": True, **({"transfer_id": tid} if tid else {})}
         req = request(f"p{i}", 300, params, status=RequestStatus.FINISHED_STOPPED, computed=300)
-        ids.append(protocol.parse_handoff(producer.request_finished(req, [5, 6, 7])[1]).transfer_id)
-    assert len(set(ids)) == len(asked) and "t-9" not in ids
-    assert ids[3] == good  # taken once, never again
+        answers.append(producer.request_finished(req, [5, 6, 7]))
+    assert answers[4] == answers[7] == (False, None)  # used before: refused
+    assert "transfer_id xfer-3f2b8c1e was used before on this producer" in caplog.text
+    ids = [
+        protocol.parse_handoff(a[1]).transfer_id for i, a in enumerate(answers) if i not in (4, 7)
+    ]
+    assert len(set(ids)) == len(ids) and "t-9" not in ids and "xfer-not-a-uuid" not in ids
+    assert ids[3] == good and ids[5] == XFER  # taken once, never again
     assert all(protocol.is_transfer_id(tid) for tid in ids)
-    assert producer.get_stats().data["held_leases"] == len(asked)  # none superseded another
+    assert producer.get_stats().data["held_leases"] == len(ids)  # none superseded another
+
+
+def test_the_producer_answers_params_for_both_conventions(tmp_path):
+    port, boot = free_port_run(2), free_port("127.0.0.1")
+    settings = load_settings({"prefill_url": f"127.0.0.1:{port}", "bootstrap_port": boot}, env={})
+    half = SchedulerHalf(resolve(settings, "kv_producer", "prefill", 1), BLOCK, HASH)
+    try:
+        half.set_layouts({0: RankLayout("127.0.0.1:1", [protocol.MemSegment(0, 1000, 1000)], 0)})
+        req = request("p1", 300, {"do_remote_decode": True, "do_remote_prefill": False,
+                                  "transfer_id": XFER},
+                      status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
+        held, params = half.request_finished(req, [5, 6, 7])
+        assert held and params["transfer_id"] == XFER
+        assert protocol.parse_handoff(params).remote_block_ids == [5, 6, 7]  # ours, NIXL-style
+        # ... and upstream's: where the decode finds this engine.
+        assert params["remote_engine_id"] == "prefill"
+        assert params["remote_bootstrap_addr"] == f"http://127.0.0.1:{boot}"
+    finally:
+        half.shutdown()
+
+
+def test_a_decode_leg_of_upstreams_convention_becomes_a_pending_load(consumer):
+    params = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": XFER,
+              "remote_bootstrap_addr": "http://127.0.0.2:8998",
+              "remote_engine_id": "e-1"}  # fmt: skip
+    req = request("d1", 300, params)
+    count, is_async, (load,) = plan(consumer, req, Blocks([10, 11, 12]))
+    assert (count, is_async, load.error) == (300, True, None)
+    h = load.handoff
+    assert isinstance(h, protocol.PendingHandoff) and h.unresolved
+    assert (h.transfer_id, h.producer_engine_id, h.bootstrap_addr) == (
+        XFER,
+        "e-1",
+        "http://127.0.0.2:8998",
+    )
+    assert load.local_block_ids == [10, 11, 12] and load.checks["prompt_len"] == 300
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"transfer_id": "xfer-123"}, "transfer_id 'xfer-123' is not one a producer takes"),
+        ({"remote_engine_id": ""}, "remote_engine_id '' must name"),
+        ({"remote_bootstrap_addr": "127.0.0.2:8998"}, "must be 'http://host:port'"),
+        ({"remote_bootstrap_addr": "http://10.9.9.9:8998"}, "not in trusted_producers"),
+    ],
+)
+def test_a_bad_decode_leg_of_upstreams_convention_is_claimed_and_failed(change, error):
+    settings = load_settings(
+        {"decode_url": "127.0.0.1:17000", "trusted_producers": ["127.0.0.0/24"]}, env={}
+    )
+    half = SchedulerHalf(resolve(settings, "kv_consumer", "decode", 1), BLOCK, HASH)
+    params = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": XFER,
+              "remote_bootstrap_addr": "http://127.0.0.2:8998", "remote_engine_id": "e-1",
+              **change}  # fmt: skip
+    try:
+        _, _, (load,) = plan(half, request("d1", 300, params), Blocks([10, 11, 12]))
+        assert load.handoff is None and error in load.error  # failed through vLLM's policy
+    finally:
+        half.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -342,7 +411,7 @@ def free_port_run(count: int) -> int:
 
 def tp2_producer(kv_replicated: bool) -> SchedulerHalf:
     port = free_port_run(4)
-    settings = load_settings({"prefill_url": f"127.0.0.1:{port}"}, env={})
+    settings = load_settings({"prefill_url": f"127.0.0.1:{port}", "bootstrap_port": 0}, env={})
     cfg = resolve(settings, "kv_producer", "prefill", 2)
     half = SchedulerHalf(cfg, BLOCK, HASH, kv_replicated=kv_replicated)
     half.set_layouts(
@@ -707,7 +776,8 @@ def test_a_malformed_pending_handoff_is_rejected_through_the_policy(consumer, ch
 def layerwise_producer():
     port = free_port_run(2)
     settings = load_settings(
-        {"prefill_url": f"127.0.0.1:{port}", "layerwise_handoff": True}, env={}
+        {"prefill_url": f"127.0.0.1:{port}", "layerwise_handoff": True, "bootstrap_port": 0},
+        env={},
     )
     half = SchedulerHalf(resolve(settings, "kv_producer", "prefill", 1), BLOCK, HASH)
     layers = [protocol.MemSegment(1000 * i, 1000, 1000) for i in range(3)]

@@ -11,9 +11,11 @@ import pytest
 import torch
 import zmq
 
+from harness.servers import free_port
 from mooncake_vllm.core.auth import new_secret, seal_record
 from mooncake_vllm.core.registry import EngineRecord, encode_record, registry_key
-from mooncake_vllm.p2p import protocol
+from mooncake_vllm.p2p import protocol, upstream
+from mooncake_vllm.p2p.bootstrap import BootstrapService
 from mooncake_vllm.p2p.config import load_settings, resolve
 from mooncake_vllm.p2p.leases.process import LayerDone
 from mooncake_vllm.p2p.local_channels import layers_endpoint
@@ -598,6 +600,72 @@ def test_a_pending_pull_checks_the_granted_handoff_before_a_byte_moves(engine, c
     worker.shutdown()
     acquire, release = channel.frames
     assert release == protocol.Release(TID, False, acquire.owner)
+
+
+# ---- vLLM's upstream convention: a pending handoff named by its bootstrap ----------------------
+
+XFER = "xfer-3f2b8c1e-9d4a-4e6f-8b1c-2a3d4e5f6a7b"
+
+
+def upstream_load(bootstrap_addr: str, engine_id: str = "producer") -> MooncakeConnectorMetadata:
+    params = {"transfer_id": XFER, "remote_bootstrap_addr": bootstrap_addr}
+    pending = upstream.to_pending({**params, "remote_engine_id": engine_id})
+    checks = {"prompt_len": 32, "compat_hash": "hash", "kv_heads": 1, "tp_size": 1,
+              "block_size": 16}  # fmt: skip
+    return MooncakeConnectorMetadata(loads=[LoadSpec("req-1", pending, [], [3, 4], checks=checks)])
+
+
+@pytest.fixture
+def bootstrap():
+    """A real bootstrap service of a TP1 producer "producer" whose side channel is port 16000."""
+    port = free_port("127.0.0.1")
+    settings = load_settings({"prefill_url": "127.0.0.1:15999", "bootstrap_port": port}, env={})
+    service = BootstrapService(resolve(settings, "kv_producer", "producer", 1))
+    yield service
+    service.close()
+
+
+def test_an_upstream_pull_asks_the_bootstrap_then_waits_for_the_prefill(engine, bootstrap):
+    engine.done.set()
+    channel = PendingSideChannel(granted_handoff(transfer_id=XFER))
+    worker = make_worker(engine, channel, load_timeout_s=5.0)
+    worker.start_load_kv(upstream_load(bootstrap.url))
+    time.sleep(0.2)
+    assert worker.get_transfer_results().finished_recving == set()  # waits for the prefill
+    channel.finish.set()
+    recving, failed, settled = collect_until(worker, lambda r, f, s: s)
+    worker.shutdown()
+    assert (recving, failed, settled) == ({"req-1"}, set(), ["req-1"])
+    assert engine.submitted == [REMOTE.base_addr, REMOTE.base_addr + BLOCK]
+    acquire, release = channel.frames
+    assert (acquire.transfer_id, acquire.remote_block_ids, acquire.wait_ms > 4000) == (
+        XFER,
+        [],
+        True,
+    )
+    assert release == protocol.Release(XFER, True, acquire.owner)
+
+
+@pytest.mark.parametrize("case", ["unknown engine", "no bootstrap"])
+def test_an_upstream_pull_that_cannot_find_its_producer_fails_naming_why(
+    engine, bootstrap, case, caplog
+):
+    channel = PendingSideChannel(granted_handoff(transfer_id=XFER))
+    worker = make_worker(engine, channel, load_timeout_s=5.0)
+    if case == "unknown engine":
+        addr, expected = bootstrap.url, "unknown remote_engine_id 'gone'"
+        meta = upstream_load(addr, "gone")
+    else:
+        addr = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+        expected = f"the bootstrap {addr} did not answer /query"
+        meta = upstream_load(addr)
+    worker.start_load_kv(meta)
+    recving, failed, settled = collect_until(worker, lambda r, f, s: s)
+    stats = worker.get_stats().data
+    worker.shutdown()
+    assert (recving, failed, settled) == ({"req-1"}, {"req-1"}, ["req-1"])  # vLLM's policy
+    assert stats["pull_failures"] == 1 and channel.frames == []  # nothing sent anywhere
+    assert expected in caplog.text
 
 
 # ---- layer by layer (the producer's layerwise_handoff) ------------------------------------------

@@ -228,8 +228,9 @@ def open_record(keys: Keys, data: bytes) -> bytes:
 
 
 def short_id(transfer_id: str) -> str:
-    """What logs show of a transfer id: a prefix, never enough to act on it."""
-    return transfer_id[:8]
+    """What logs show of a transfer id: a prefix, never enough to act on it (32 of its 128 or
+    122 random bits; upstream's ``xfer-<uuid>`` keeps its ``xfer-``)."""
+    return transfer_id[:13] if transfer_id.startswith("xfer-") else transfer_id[:8]
 
 
 def is_loopback(host: str) -> bool:

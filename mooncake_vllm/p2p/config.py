@@ -63,6 +63,10 @@ class MooncakeSettings(SharedSettings):
     # it is written, so a decode sent with the prefill (the proxy's --dispatch concurrent) pulls
     # while the prefill computes. CPU KV caches only.
     layerwise_handoff: bool = False
+    # Producer: the port of the bootstrap HTTP service vLLM's upstream orchestrators ask
+    # (``GET /query``, ``p2p.bootstrap``), bound to this engine's host. Unset:
+    # VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998 (as upstream). 0: no bootstrap service.
+    bootstrap_port: int | None = Field(None, ge=0, le=65535)
     # With a metadata store: the OpenAI base URL published for ``proxy_server.py --discover``.
     # Default: the vLLM API server's --host/--port (see ``serving_url``).
     advertise_url: str | None = None
@@ -135,6 +139,7 @@ class ConnectorConfig:
     tp_size: int
     host: str
     base_port: int
+    bootstrap_port: int = 0  # 0: none (a consumer, or turned off)
 
     @property
     def is_producer(self) -> bool:
@@ -190,6 +195,7 @@ def resolve(
     role: str | None,
     engine_id: str,
     tp_size: int,
+    env: Mapping[str, str] | None = None,
 ) -> ConnectorConfig:
     role = check_role(role, "MooncakeConnector")
     own_key = "decode_url" if role == "kv_consumer" else "prefill_url"
@@ -211,4 +217,29 @@ def resolve(
         tp_size=tp_size,
         host=settings.local_hostname or host,
         base_port=port,
+        bootstrap_port=bootstrap_port(settings, env) if role != "kv_consumer" else 0,
     )
+
+
+BOOTSTRAP_PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+DEFAULT_BOOTSTRAP_PORT = 8998  # upstream's
+
+
+def bootstrap_port(settings: MooncakeSettings, env: Mapping[str, str] | None = None) -> int:
+    """The producer's bootstrap port: ``bootstrap_port``, else ``VLLM_MOONCAKE_BOOTSTRAP_PORT``
+    (the variable vLLM's upstream connector and its orchestrators read), else 8998."""
+    if settings.bootstrap_port is not None:
+        return settings.bootstrap_port
+    raw = (os.environ if env is None else env).get(BOOTSTRAP_PORT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_BOOTSTRAP_PORT
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ConfigError(
+            f"{BOOTSTRAP_PORT_ENV}={raw!r} must be a port number 0-65535 (0: no bootstrap "
+            "service); or set bootstrap_port in kv_connector_extra_config, which wins"
+        )
+    return port

@@ -6,6 +6,7 @@ frames are msgpack over ZeroMQ between a consumer worker and the producer worker
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -62,20 +63,40 @@ class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):
     version: int = PROTOCOL_VERSION
     transfer_id: str
     producer_engine_id: str
-    side_channel_host: str
-    side_channel_ports: list[int]
-    producer_tp_size: int
+    # Empty, with ``bootstrap_addr`` set: vLLM's upstream convention (``p2p.upstream``); the
+    # consumer's worker fills them in from the producer's bootstrap ``/query`` before it acquires.
+    side_channel_host: str = ""
+    side_channel_ports: list[int] = []
+    producer_tp_size: int = 0
+    bootstrap_addr: str = ""
+
+    @property
+    def unresolved(self) -> bool:
+        """Named by its bootstrap only: the worker resolves it (``upstream.BootstrapResolver``)."""
+        return bool(self.bootstrap_addr) and not self.side_channel_ports
 
     def to_params(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
 
 
+_HEX = frozenset("0123456789abcdef")
+# vLLM's upstream orchestrators (its mooncake proxy, llm-d, Dynamo): ``xfer-`` and a random
+# (version 4) UUID in canonical lowercase form, 122 random bits.
+_UPSTREAM_ID = re.compile(
+    r"xfer-[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+)
+
+
 def is_transfer_id(value: object) -> bool:
-    """128 random bits in lowercase hex: the only transfer id a producer takes from a client
-    (``--dispatch concurrent``), so a lease's name is never guessable or reused."""
-    return (
-        isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
-    )
+    """The only transfer ids a producer takes from a client, so that a lease's name is never
+    guessable: 128 random bits in lowercase hex (our proxy's ``--dispatch concurrent``), or
+    upstream's ``xfer-<uuid4>``. The producer also never takes one twice
+    (``SchedulerHalf._new_transfer_id``)."""
+    if not isinstance(value, str):
+        return False
+    if len(value) == 32:
+        return all(c in _HEX for c in value)
+    return _UPSTREAM_ID.fullmatch(value) is not None
 
 
 def parse_pending(params: dict[str, Any]) -> PendingHandoff:
@@ -85,7 +106,10 @@ def parse_pending(params: dict[str, Any]) -> PendingHandoff:
     except msgspec.ValidationError as e:
         raise HandoffError(f"malformed pending kv_transfer_params: {e}") from e
     if not is_transfer_id(h.transfer_id):
-        raise HandoffError("a pending handoff's transfer_id must be 32 lowercase hex digits")
+        raise HandoffError(
+            "a pending handoff's transfer_id must be 32 lowercase hex digits or 'xfer-' and a "
+            "random UUID"
+        )
     if not (h.side_channel_host and h.side_channel_ports):
         raise HandoffError("a pending handoff names the producer's side channel")
     _check_producer(h)

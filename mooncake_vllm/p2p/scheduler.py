@@ -37,6 +37,7 @@ from vllm.v1.request import RequestStatus
 from mooncake_vllm.core.auth import host_allowed, short_id
 from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
 from mooncake_vllm.core.planning import REBLOCKABLE
+from mooncake_vllm.p2p.bootstrap import BootstrapService
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
 from mooncake_vllm.p2p.local_channels import WakeForwarder, wake_endpoint
@@ -45,12 +46,11 @@ from mooncake_vllm.p2p.protocol import (
     HandoffError,
     PendingHandoff,
     is_transfer_id,
-    parse_handoff,
-    parse_pending,
     validate_handoff,
 )
 from mooncake_vllm.p2p.stats import MooncakeStats
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
+from mooncake_vllm.p2p.upstream import bootstrap_host, parse_consumer_params, producer_params
 from mooncake_vllm.vllm_glue import IDLE_STEP_PAUSE_S, EngineCoreHandle, Probe
 
 if TYPE_CHECKING:
@@ -100,10 +100,18 @@ class SchedulerHalf:
         self._woken = threading.Event()  # a worker or a lease reported since the last rest
         # Producer: leases and side channels, in a process of their own (leases.client).
         self._leases: LeaseService | None = None
+        # Producer: vLLM's upstream bootstrap HTTP service (``GET /query``), beside the leases.
+        self._bootstrap: BootstrapService | None = None
         if cfg.is_producer:
             self._leases = LeaseService(
                 cfg, wake_endpoint(cfg.host, cfg.base_port), kv_replicated=kv_replicated
             )
+            if cfg.bootstrap_port:
+                try:
+                    self._bootstrap = BootstrapService(cfg)
+                except BaseException:
+                    self._leases.close()
+                    raise
         self._waker: WakeForwarder | None = None
         if self._engine_core is not None:
             try:
@@ -244,11 +252,14 @@ class SchedulerHalf:
         """The handoff (None when it must not be acted on) and the rejection reason, if any. A
         pending handoff is checked by the worker, once its grant has brought the rest."""
         try:
-            handoff = parse_pending(params) if params.get("pending") else parse_handoff(params)
+            handoff = parse_consumer_params(params)
+            host = handoff.side_channel_host
+            if isinstance(handoff, PendingHandoff) and handoff.unresolved:
+                # Named by its bootstrap (upstream's convention): the worker resolves it there.
+                host = bootstrap_host(handoff.bootstrap_addr)
         except HandoffError as e:
             return None, str(e)
         trusted = self._cfg.settings.trusted_producers
-        host = handoff.side_channel_host
         if trusted is not None and host and not host_allowed(host, trusted):
             # Not even a release: nothing is sent to a host we do not trust.
             return None, (
@@ -304,14 +315,16 @@ class SchedulerHalf:
                 prompt_len,
             )
             return False, None
-        transfer_id = self._new_transfer_id(params.get("transfer_id"))
+        transfer_id = self._new_transfer_id(request.request_id, params.get("transfer_id"))
+        if transfer_id is None:
+            return False, None
         prompt_block_ids = list(block_ids[:num_blocks])
         handoff = self._handoff(request, transfer_id, prompt_block_ids)
         # Held before the handoff leaves this process: an acquire never waits for a step (and a
         # pending one, sent with the prefill leg, is answered by this hold).
         if not self._leases.hold(request.request_id, transfer_id, prompt_block_ids, handoff):
             return False, None
-        return True, handoff.to_params()
+        return True, self._answer(handoff)
 
     def _finish_early(
         self, request: Request, handoff: Handoff, block_ids: list[int], complete: bool
@@ -322,7 +335,7 @@ class SchedulerHalf:
         req_id, tid = request.request_id, handoff.transfer_id
         if complete and block_ids == handoff.remote_block_ids:
             if self._leases.hold(req_id, tid, block_ids, handoff):
-                return True, handoff.to_params()
+                return True, self._answer(handoff)
             return False, None  # the lease server is gone: no consumer can read these blocks
         if complete:
             logger.error(
@@ -363,7 +376,9 @@ class SchedulerHalf:
         ):
             return []
         params = request.kv_transfer_params or {}
-        tid = self._new_transfer_id(params.get("transfer_id"))
+        tid = self._new_transfer_id(new.req_id, params.get("transfer_id"))
+        if tid is None:
+            return []
         handoff = self._handoff(request, tid, block_ids)
         if not self._leases.hold(new.req_id, tid, block_ids, handoff, computing=True):
             return []
@@ -386,11 +401,26 @@ class SchedulerHalf:
             producer_incarnation=self._leases.incarnation,
         )
 
-    def _new_transfer_id(self, asked: object) -> str:
-        """The id that names a lease on the side channel: 128 random bits, so nobody can guess
-        (or collide with) it. The proxy's, if it chose one of that form that this producer has
-        not used (``--dispatch concurrent`` sends it to the decode too); else a new one."""
-        if is_transfer_id(asked) and asked not in self._issued:
+    def _answer(self, handoff: Handoff) -> dict[str, Any]:
+        """``kv_transfer_params`` for the prefill's response, usable in both conventions."""
+        return producer_params(handoff, self._bootstrap.url if self._bootstrap else "")
+
+    def _new_transfer_id(self, req_id: str, asked: object) -> str | None:
+        """The id that names a lease on the side channel, random so nobody can guess it: the
+        client's, if it chose one of a random form (``protocol.is_transfer_id``: our proxy's
+        ``--dispatch concurrent``, upstream's orchestrators, which send it to the decode too);
+        else a new one. None (refused: not handed over) for a client's id this producer has
+        used before, while its lease lives or after it ended: a decode waiting for it must not
+        get another prompt's KV, nor wait for a lease that never comes back."""
+        if is_transfer_id(asked):
+            if asked in self._issued:
+                logger.warning(
+                    "request %s: transfer_id %s was used before on this producer; refused, not "
+                    "handed over (choose a new transfer_id for every request)",
+                    req_id,
+                    short_id(asked),
+                )
+                return None
             transfer_id = str(asked)
         else:
             transfer_id = secrets.token_hex(16)
@@ -472,6 +502,8 @@ class SchedulerHalf:
         return stats
 
     def shutdown(self) -> None:
+        if self._bootstrap is not None:
+            self._bootstrap.close()
         if self._leases is not None:
             self._leases.close()
         if self._waker is not None:

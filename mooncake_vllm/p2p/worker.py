@@ -87,6 +87,7 @@ from mooncake_vllm.p2p.protocol import (
 from mooncake_vllm.p2p.side_channel import CallCancelled, SideChannelClient, SideChannelError
 from mooncake_vllm.p2p.stats import MooncakeStats
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
+from mooncake_vllm.p2p.upstream import BootstrapError, BootstrapResolver
 from mooncake_vllm.transfer.engine import TransferAgent
 from mooncake_vllm.transfer.store_bridge import MetadataBridge
 from mooncake_vllm.transfer.stores import P2P_HANDSHAKE
@@ -217,6 +218,8 @@ class WorkerHalf:
         self._keys = cfg.settings.auth_keys()  # read once: a rotated secret needs a restart
         self._releases: ThreadPoolExecutor | None = None
         self._staging_reads: ThreadPoolExecutor | None = None
+        # Pending handoffs named by their producer's bootstrap (upstream's convention).
+        self._bootstraps = BootstrapResolver()
         if cfg.is_consumer:
             self._client = SideChannelClient(self._keys)
             self._pool = ThreadPoolExecutor(
@@ -459,6 +462,11 @@ class WorkerHalf:
 
     def _pull_once(self, load: LoadSpec, job: LoadJob[PullOutcome]) -> PullOutcome:
         start, deadline = time.monotonic(), job.deadline_s
+        if isinstance(load.handoff, PendingHandoff) and load.handoff.unresolved:
+            try:
+                load = self._resolved(load, deadline - start)
+            except PullFailed as e:  # nothing acquired: nothing to release
+                return PullOutcome(load.req_id, ok=not load.local_block_ids, reason=str(e))
         h = load.handoff
         if not load.local_block_ids:  # vLLM does not wait on this one: just free the lease
             if h is not None:
@@ -700,6 +708,19 @@ class WorkerHalf:
                 )
             except PlanError as e:
                 raise PullFailed(str(e)) from e
+
+    def _resolved(self, load: LoadSpec, timeout_s: float) -> LoadSpec:
+        """``load`` with its pending handoff's side channels, asked of the producer's bootstrap
+        (``upstream.BootstrapResolver``: cached per engine id); raises PullFailed naming the
+        bootstrap and why (it did not answer, or does not know the engine)."""
+        h = load.handoff
+        assert isinstance(h, PendingHandoff)
+        try:
+            h = self._bootstraps.resolve(h, timeout_s)
+        except BootstrapError as e:
+            raise PullFailed(str(e) if load.error is None else f"{load.error}; {e}") from e
+        self._check_trusted(h.side_channel_host, "the side channel the bootstrap names,")
+        return dataclasses.replace(load, handoff=h)
 
     def _sources(self, h: Handoff) -> dict[int, _Source]:
         """The producer ranks whose lease this rank acquires, each with the heads it reads
