@@ -115,6 +115,8 @@ class Stack:
             self.workdir / "mooncake.json",
             prefill_url=f"{OURS_P}:13003",
             decode_url=f"{OURS_D}:13012",
+            # vLLM's built-in connector, run beside, binds 0.0.0.0:8998 for its own bootstrap.
+            bootstrap_port=0,
         )
         ours_env = {"MOONCAKE_CONFIG_PATH": str(cfg), **STATS_ENV}
         prefill_args = [*common_args, *kv_args("kv_producer")]

@@ -84,6 +84,9 @@ class Pair:
         cfg["prefill_url"] = f"{PREFILL_HOST}:{self.prefill_port}"
         cfg["decode_url"] = f"{DECODE_HOST}:{self.decode_port}"
         cfg["metadata_ttl_s"] = METADATA_TTL_S
+        # Beside the shared cluster's prefill on the same address, which serves the bootstrap
+        # service on its default port.
+        cfg["bootstrap_port"] = 0
         self.config_path = tmp_path / f"mooncake-{kind}.json"
         self.config_path.write_text(json.dumps(cfg))
         self.target = parse_metadata_server(cfg["metadata_server"], cfg.get("metadata_backend"))
