@@ -123,3 +123,34 @@ def test_an_unknown_policy_is_refused():
 def test_the_setting_accepts_exactly_the_policies():
     field = SharedSettings.model_fields["thread_priority"]
     assert get_args(field.annotation) == os_threads.POLICIES
+
+
+def _in_thread(fn):
+    """Run ``fn(tid)`` on a new thread pinned to one CPU, as vLLM's CPU worker pins its main
+    thread; returns the CPUs that thread may run on afterwards."""
+    out = {}
+
+    def body():
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        fn(threading.get_native_id())
+        out["cpus"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    return out["cpus"]
+
+
+CPUS = os.sched_getaffinity(0)
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to tell pinned from free")
+def test_a_thread_pinned_to_one_core_is_freed_by_unpin():
+    assert _in_thread(lambda tid: None) == {min(CPUS)}  # the pin holds without unpin
+    assert _in_thread(lambda tid: os_threads.unpin()) == CPUS
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to tell pinned from free")
+def test_native_threads_adopted_from_a_pinned_creator_and_pull_threads_are_unpinned():
+    assert _in_thread(lambda tid: os_threads.adopt_native_threads([tid], "t", False)) == CPUS
+    assert _in_thread(lambda tid: os_threads.make_latency_critical()) == CPUS

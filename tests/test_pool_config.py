@@ -36,7 +36,7 @@ def test_the_store_users_json_is_read_as_written(tmp_path):
     s = load_settings({"load_timeout_s": 3}, env={CONFIG_PATH_ENV: str(path)}, model=PoolSettings)
     assert s.global_segment_size == 3355443200 and s.local_buffer_size == 1 << 30
     assert s.protocol == "rdma" and s.device_name == "mlx5_0" and s.load_timeout_s == 3
-    assert s.engine_env() == {"MC_TRANSFER_TIMEOUT": "5"}
+    assert s.engine_env() == {"MC_TRANSFER_TIMEOUT": "5", "MC_TCP_BIND_ADDRESS": "10.0.0.2"}
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,9 @@ def test_sizes(value, expected):
 def test_the_engines_progress_deadline_is_kept_unless_stall_timeout_s_is_set():
     # A 2 s MC_TCP_PROGRESS_TIMEOUT_SEC left holders not serving for 13-60 s on 0.3.13.post1;
     # the store keeps the engine's own 30 s unless the user asks.
-    assert settings().engine_env() == {"MC_TRANSFER_TIMEOUT": "10", "MC_FORCE_TCP": "1"}
+    env = settings().engine_env()
+    assert (env["MC_TRANSFER_TIMEOUT"], env["MC_FORCE_TCP"]) == ("10", "1")
+    assert "MC_TCP_PROGRESS_TIMEOUT_SEC" not in env
     assert settings().load_timeout_s == 30.0
     assert settings(stall_timeout_s=5).engine_env()["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "5"
     assert "MC_TCP_PROGRESS_TIMEOUT_SEC" not in settings(protocol="rdma").engine_env()
@@ -97,3 +99,10 @@ def test_a_listening_master_passes():
         s.bind(("127.0.0.1", 0))
         s.listen()
         check_reachable(settings(master_server_address=f"127.0.0.1:{s.getsockname()[1]}"))
+
+
+def test_the_store_binds_and_advertises_local_hostname_not_the_first_interface():
+    assert settings(local_hostname="127.0.0.3").engine_env()["MC_TCP_BIND_ADDRESS"] == "127.0.0.3"
+    assert (
+        settings(local_hostname="10.0.0.2:12345").engine_env()["MC_TCP_BIND_ADDRESS"] == "10.0.0.2"
+    )

@@ -109,11 +109,33 @@ def _realtime_permitted() -> bool:
 LATENCY_CRITICAL_NICE = -10
 
 
+def unpin(tid: int = 0) -> bool:
+    """Let thread ``tid`` (0: the calling one) run on every CPU the process may use.
+
+    vLLM's CPU worker binds its OpenMP threads, its main thread among them, to the cores it
+    picks (``VLLM_CPU_OMP_THREADS_BIND``, default ``auto``: on a 2-core host with a KV connector,
+    one core for every engine). Threads started from that thread inherit the binding: the
+    transfer engine's and the store client's I/O and heartbeat threads, our pull threads. Pinned
+    to the one core where the engines' workers spin, a holder's store threads were starved for
+    10 s and more: reads stalled (-707, -800) and mooncake_master expired the holder for missed
+    heartbeats, dropping every object it held (docs/pool.md, Threads). The kernel's cpuset
+    still applies: CPUs outside it are ignored. Returns whether it was applied."""
+    if sys.platform != "linux" or not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        os.sched_setaffinity(tid, range(os.cpu_count() or 1))
+        return True
+    except OSError:
+        return False
+
+
 def make_latency_critical(nice: int = LATENCY_CRITICAL_NICE) -> str:
     """For a thread that mostly sleeps and must answer within a millisecond: real-time priority
     (SCHED_FIFO 1) where allowed, else ``nice``. A SCHED_OTHER thread waits up to a scheduler
     slice behind vLLM's busy-waiting workers at every wake-up; a real-time one runs at once (the
-    kernel still caps real-time threads at 95 % of a CPU). Returns which was applied."""
+    kernel still caps real-time threads at 95 % of a CPU). It is also freed from the cores vLLM
+    bound its creator to (``unpin``). Returns which priority was applied."""
+    unpin()
     if realtime_allowed():
         with contextlib.suppress(OSError):
             os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(_RT_PRIORITY))
@@ -152,9 +174,11 @@ def native_threads() -> dict[int, str]:
 
 
 def adopt_native_threads(tids: list[int], name: str, realtime: bool) -> None:
-    """Name threads a native library started for us (they inherit their creator's name), and give
-    them real-time priority if ``realtime`` and allowed. Threads gone meanwhile are skipped."""
+    """Name threads a native library started for us (they inherit their creator's name and its
+    CPU binding), free them from the cores vLLM bound their creator to (``unpin``), and give them
+    real-time priority if ``realtime`` and allowed. Threads gone meanwhile are skipped."""
     for tid in tids:
+        unpin(tid)
         with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm", "w") as f:
             f.write(name[:15])
         if realtime and realtime_allowed():

@@ -105,9 +105,20 @@ class PoolSettings(SharedSettings):
             "'P2PHANDSHAKE'"
         )
 
+    @property
+    def bind_host(self) -> str:
+        """``local_hostname`` without a port, if it names one."""
+        host_port = split_host_port(self.local_hostname)
+        return host_port[0] if host_port else self.local_hostname
+
     def engine_env(self) -> dict[str, str]:
         """The transfer-engine environment the store's engine reads at setup."""
-        env = {"MC_TRANSFER_TIMEOUT": str(self.transfer_timeout)}
+        env = {
+            "MC_TRANSFER_TIMEOUT": str(self.transfer_timeout),
+            # Bind and advertise local_hostname, not the machine's first interface: readers
+            # connect to the address a holder advertises (as for the P2P connector).
+            "MC_TCP_BIND_ADDRESS": self.bind_host,
+        }
         if self.protocol == "tcp":
             env["MC_FORCE_TCP"] = "1"
             if self.stall_timeout_s is not None:

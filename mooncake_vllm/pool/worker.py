@@ -28,6 +28,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWorkerMeta
+from mooncake_vllm.core.os_threads import name_this_thread, unpin
 from mooncake_vllm.core.planning import MemSegment, kv_cache_regions
 from mooncake_vllm.core.worker_stats import WorkerStats
 from mooncake_vllm.pool.config import PoolSettings
@@ -42,6 +43,13 @@ _LOAD_THREADS = 4
 _WARN_EVERY_S = 10.0
 # First pause before a get is asked again; it doubles each time.
 _RETRY_PAUSE_S = 0.05
+
+
+def _init_get_thread() -> None:
+    """A get spins its thread until the holder has served it (``pool.store``): not on the core
+    vLLM bound the worker's main thread to, where the holder's own store threads may be."""
+    name_this_thread("mc-pool-get")
+    unpin()
 
 
 def block_ranges(segments: list[MemSegment], block_id: int) -> tuple[list[int], list[int]]:
@@ -74,7 +82,9 @@ class PoolWorkerHalf:
         self._segments: list[MemSegment] = []
         self._block_bytes = 0
         self._stats = WorkerStats(PoolStats)
-        self._pool = ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="mooncake-pool-get")
+        self._pool = ThreadPoolExecutor(
+            _LOAD_THREADS, thread_name_prefix="mooncake-pool-get", initializer=_init_get_thread
+        )
         self._jobs: LoadJobs[LoadOutcome] = LoadJobs(self._pool)
         self._saves: list[BlockTransfer] = []
         self._last_put_warning = -_WARN_EVERY_S
