@@ -334,3 +334,18 @@ def test_rest_waits_on_the_input_queue_until_a_request_arrives():
     handle.rest(woken, timeout_s=5)
     assert 0.15 < time.monotonic() - t0 < 2
     assert core.input_queue.get_nowait()[1] is None  # the no-op WAKEUP request
+
+
+def test_the_cuda_extras_admit_exactly_the_tested_vllms():
+    """``pip install .[cuda]`` gets a vLLM that ``check_vllm`` accepts, and no newer one."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    for extra in ("cuda", "cuda12"):
+        (vllm,) = [Requirement(r) for r in extras[extra] if Requirement(r).name == "vllm"]
+        for minor in range(20, 40):
+            version = f"0.{minor}.0"
+            admitted = vllm.specifier.contains(version)
+            assert admitted == vllm_glue.is_tested(version), (extra, version)
