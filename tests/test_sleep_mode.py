@@ -43,3 +43,16 @@ def test_without_sleep_mode_nothing_is_refused():
     cfg = _engine_config(sleep_mode=False, connector="MooncakeConnector", role="kv_producer")
     assert refuse_sleep_mode(cfg, "MooncakeConnector") is None
     assert refuse_sleep_mode(SimpleNamespace(), "MooncakeConnector") is None  # no model config
+
+
+@pytest.mark.parametrize("cls", [MooncakeConnector, MooncakeStoreConnector])
+def test_vllm_033s_sleep_hooks_decline_and_refuse(cls):
+    """vLLM 0.33 asks ``supports_sleep_mode`` before it builds a connector, and stops an engine
+    started with ``--enable-sleep-mode`` when it answers False; the sleep and wake-up hooks are
+    then never called, and would refuse with the reason if they were."""
+    kv = KVTransferConfig(kv_connector=cls.__name__, kv_role="kv_both")
+    assert cls.supports_sleep_mode(kv) is False
+    half_built = object.__new__(cls)
+    for hook in (half_built.unregister_kv_caches, half_built.restore_kv_caches):
+        with pytest.raises(RuntimeError, match="--enable-sleep-mode"):
+            hook()

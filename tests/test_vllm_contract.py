@@ -1,21 +1,34 @@
 """The contract with vLLM, pinned without a server: the signatures of every ``KVConnectorBase_V1``
 hook our connectors override, and the internals ``vllm_glue`` probes. A vLLM upgrade that changes
-any of them fails here, in CI, not in a user's cluster."""
+any of them fails here, in CI, not in a user's cluster.
+
+The same checks run on the sources of each release in ``RELEASES`` (read as files from its
+wheel, ``harness.vllm_release``: vLLM's CUDA wheels do not install on a CPU host). A release
+joins ``vllm_glue.TESTED`` and the ``cuda`` extra's range only while they pass; without the wheel
+(no package index) they are skipped, saying so."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
+from harness.vllm_release import ReleaseUnavailable, release_files
 from mooncake_vllm import vllm_glue
 from mooncake_vllm.connector import MooncakeConnector
 from mooncake_vllm.pool.connector import MooncakeStoreConnector
 
-# Hook → its parameters in the tested vLLM (0.32). Ours must take the same.
+# Releases besides the installed one whose sources the contract is checked against.
+RELEASES = ("0.33.0",)
+BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
+
+# Hook → its parameters in the tested vLLMs (0.32, 0.33). Ours must take the same.
 HOOKS = {
     "bind_gpu_block_pool": ["self", "gpu_block_pool"],
     "build_connector_meta": ["self", "scheduler_output"],
@@ -38,6 +51,41 @@ HOOKS = {
     "update_state_after_alloc": ["self", "request", "blocks", "num_external_tokens"],
     "wait_for_layer_load": ["self", "layer_name"],
     "wait_for_save": ["self"],
+    # vLLM 0.33, sleep mode: ours refuse it (core/sleep_mode.py).
+    "supports_sleep_mode": ["kv_transfer_config"],
+    "unregister_kv_caches": ["self"],
+    "restore_kv_caches": ["self"],
+}
+
+# The base class's other public methods: their defaults suit both connectors, each for the
+# reason given. A release that adds a method fails ``test_every_base_method_is_reviewed`` until
+# it is pinned above or given its reason here.
+INHERITED = {
+    "bind_connector_metadata": "vLLM's plumbing of the step metadata",
+    "clear_connector_metadata": "vLLM's plumbing of the step metadata",
+    "has_connector_metadata": "vLLM's plumbing of the step metadata",
+    "role": "property",
+    "bind_kv_cache_manager": "no use for the manager",
+    "finish_forward": "nothing to do after a forward",
+    "get_block_ids_with_load_errors": "failed loads are reported whole, in failed_recving",
+    "get_external_cache_hit_sources": "the default source (P2P / external) is right",
+    "get_finished_count": "every worker reports (None: vLLM counts the TP ranks)",
+    "get_kv_connector_kv_cache_events": "no KV cache events",
+    "take_events": "no KV cache events",
+    "get_loaded_kv_cache_group_ids": "all groups are loaded",
+    "get_mem_pool_context": "vLLM's allocator: the registered KV cache is a plain tensor",
+    "get_required_kvcache_layout": "vLLM's layout; the planner reads any from the tensors",
+    "handle_preemptions": "a preempted load keeps its pinned blocks until it settles",
+    "has_pending_block_frees": "blocks are freed through get_finished",
+    "on_new_request": "nothing per new request",
+    "register_finished_partial_tail": "no partial-block saving",
+    "requires_kv_delivery": "the default (False): loads are asynchronous",
+    "requires_piecewise_for_cudagraph": "no per-layer hooks in the forward pass",
+    "reset_cache": "prefix cache reset needs nothing from us",
+    "reset_capture_state": "no CUDA-graph capture state",
+    "set_host_xfer_buffer_ops": "no host staging buffer through vLLM",
+    "set_xfer_handshake_metadata_pp_aware": "forwards to set_xfer_handshake_metadata",
+    "supports_divergent_local_hybrid_hits": "no hybrid (multi-group) models",
 }
 
 
@@ -67,6 +115,113 @@ def test_every_hook_we_override_is_pinned_and_matches_vllms(cls):
         )
         ours = getattr(cls, name)
         assert _params(ours) == HOOKS[name], f"{cls.__name__}.{name} differs from vLLM's hook"
+
+
+@pytest.fixture(scope="module", params=("installed", *RELEASES))
+def vllm_files(request) -> vllm_glue.VllmFiles:
+    """The installed vLLM's sources, then each release's, read as files."""
+    if request.param == "installed":
+        return vllm_glue.VllmFiles.installed()
+    try:
+        return release_files(request.param)
+    except ReleaseUnavailable as e:
+        pytest.skip(f"vLLM {request.param} not checked, its wheel cannot be had here: {e}")
+
+
+def _base_methods(files: vllm_glue.VllmFiles) -> dict[str, ast.FunctionDef]:
+    cls = files.node(BASE, "KVConnectorBase_V1")
+    return {
+        n.name: n
+        for n in getattr(cls, "body", [])
+        if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+    }
+
+
+def test_every_internal_probes_and_the_version_is_tested(vllm_files):
+    found = vllm_glue.probe_files(vllm_files)
+    assert found.failures == {}, f"vLLM {found.version}"
+    assert vllm_glue.is_tested(found.version), found.version
+
+
+def test_the_hooks_we_override_take_the_same_parameters_there(vllm_files):
+    methods = _base_methods(vllm_files)
+    for cls in (MooncakeConnector, MooncakeStoreConnector):
+        for name in _overridden(cls):
+            assert name in methods, f"vLLM {vllm_files.version} has no {name}"
+            there = vllm_files.params(BASE, f"KVConnectorBase_V1.{name}")
+            assert there == HOOKS[name], f"vLLM {vllm_files.version} changed {name}: {there}"
+
+
+def test_every_base_method_is_reviewed(vllm_files):
+    methods = set(_base_methods(vllm_files))
+    unknown = methods - set(HOOKS) - set(INHERITED)
+    assert not unknown, f"vLLM {vllm_files.version} adds {sorted(unknown)}: pin or review them"
+
+
+def test_every_abstract_hook_is_ours(vllm_files):
+    abstract = [
+        name
+        for name, fn in _base_methods(vllm_files).items()
+        if any("abstractmethod" in ast.unparse(d) for d in fn.decorator_list)
+    ]
+    assert abstract
+    for cls in (MooncakeConnector, MooncakeStoreConnector):
+        missing = [n for n in abstract if n not in _overridden(cls)]
+        assert not missing, f"{cls.__name__} lacks {missing} (vLLM {vllm_files.version})"
+
+
+def _our_vllm_imports() -> set[tuple[str, str]]:
+    package = Path(vllm_glue.__file__).parent
+    found = set()
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        optional = {  # imports guarded by ``except ImportError``: newer vLLMs only
+            id(n)
+            for t in ast.walk(tree)
+            if isinstance(t, ast.Try)
+            and any("ImportError" in ast.unparse(h.type or ast.Name("")) for h in t.handlers)
+            for stmt in t.body
+            for n in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if id(node) in optional:
+                continue
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+                found |= {(node.module, a.name) for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {(a.name, "") for a in node.names if a.name.split(".")[0] == "vllm"}
+    return found
+
+
+def test_everything_we_import_from_vllm_is_there(vllm_files):
+    imports = _our_vllm_imports()
+    assert len(imports) > 20  # the walk found them
+    missing = [
+        f"{module}.{name}" if name else module
+        for module, name in sorted(imports)
+        if not (vllm_files.defines(module, name) if name else vllm_files.exists(module))
+    ]
+    assert not missing, f"vLLM {vllm_files.version} lacks {missing}"
+
+
+def test_a_moved_internal_fails_its_probe_by_name(tmp_path):
+    """A tree where each internal is missing: every probe says what it did not find."""
+    for module in ("vllm/v1/engine/__init__.py", "vllm/v1/request.py"):
+        (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "vllm/__init__.py").write_text("")
+    (tmp_path / "vllm/v1/engine/__init__.py").write_text(
+        "class EngineCoreRequestType:\n    ADD = b'\\x00'\n"
+    )
+    (tmp_path / "vllm/v1/request.py").write_text("class RequestStatus:\n    WAITING = 1\n")
+    (tmp_path / "vllm/utils").mkdir()
+    (tmp_path / "vllm/utils/watch_dog.py").write_text("class WatchDog:\n    pass\n")
+    found = vllm_glue.probe_files(vllm_glue.VllmFiles(tmp_path, "9.9.9"))
+    assert found.failures["wakeup"] == "no WAKEUP request type"
+    assert found.failures["request_status"] == "no WAITING_FOR_REMOTE_KVS"
+    assert found.failures["watchdog"] == "vllm.utils.watch_dog has no get_watch_dog"
+    for name in ("engine_core", "scheduler_queues", "queue_spin", "connector_registry"):
+        assert "ModuleNotFoundError" in found.failures[name], name
+    assert set(found.failures) >= {"block_pool", "cpu_kv_format"}
 
 
 def test_the_installed_vllm_is_tested_and_every_internal_probes():
@@ -125,6 +280,48 @@ def test_queued_says_whether_a_request_waits_to_be_scheduled():
     assert handle.queued()
 
 
+def test_a_load_vllm_deferred_keeps_the_engine_stepping():
+    handle, _ = _core()
+    handle._core.scheduler.deferred_loads = {"a": (3, 16, 0, 0)}  # vLLM 0.33, HiSparse
+    assert handle.busy_with_others()
+    handle._core.scheduler.deferred_loads = {}
+    assert not handle.busy_with_others()
+
+
+def test_a_rest_pauses_vllms_watchdog(monkeypatch):
+    """vLLM 0.33 pauses its engine-core watchdog while it blocks on the input queue; a rest is
+    that wait taken inside a step, so it pauses it too (and leaves a paused one alone)."""
+    import contextlib
+    import queue
+
+    seen = []
+
+    class Dog:
+        active = True
+
+        @contextlib.contextmanager
+        def disable(self):
+            assert self.active, "not re-entrant"
+            self.active = False
+            seen.append("paused")
+            yield
+            self.active = True
+
+    dog = Dog()
+    fake = types.ModuleType("vllm.utils.watch_dog")
+    fake.get_watch_dog = lambda: dog
+    monkeypatch.setitem(sys.modules, "vllm.utils.watch_dog", fake)
+    monkeypatch.setattr(vllm_glue, "_checked", None)
+    handle = vllm_glue.EngineCoreHandle(types.SimpleNamespace(input_queue=queue.Queue()))
+    woken = threading.Event()
+    woken.set()
+    handle.rest(woken, timeout_s=1)
+    assert seen == ["paused"] and dog.active
+    with dog.disable():
+        handle.rest(woken, timeout_s=1)  # already paused: not paused again
+    assert seen == ["paused", "paused"]
+
+
 def test_rest_waits_on_the_input_queue_until_a_request_arrives():
     import queue
     import time
@@ -137,3 +334,18 @@ def test_rest_waits_on_the_input_queue_until_a_request_arrives():
     handle.rest(woken, timeout_s=5)
     assert 0.15 < time.monotonic() - t0 < 2
     assert core.input_queue.get_nowait()[1] is None  # the no-op WAKEUP request
+
+
+def test_the_cuda_extras_admit_exactly_the_tested_vllms():
+    """``pip install .[cuda]`` gets a vLLM that ``check_vllm`` accepts, and no newer one."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    for extra in ("cuda", "cuda12"):
+        (vllm,) = [Requirement(r) for r in extras[extra] if Requirement(r).name == "vllm"]
+        for minor in range(20, 40):
+            version = f"0.{minor}.0"
+            admitted = vllm.specifier.contains(version)
+            assert admitted == vllm_glue.is_tested(version), (extra, version)

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from mooncake_vllm.core import os_threads
 from mooncake_vllm.core.loads import MooncakeWorkerMeta
 from mooncake_vllm.core.prom import ConnectorPromMetrics
-from mooncake_vllm.core.sleep_mode import refuse_sleep_mode
+from mooncake_vllm.core.sleep_mode import refuse_sleep_mode, sleep_mode_refusal
 from mooncake_vllm.plugin import use_vllm_logging
 from mooncake_vllm.vllm_glue import Probe, check_vllm, shorten_queue_spin
 
@@ -63,6 +63,21 @@ class HalvesConnector(KVConnectorBase_V1):
         refuse_sleep_mode(vllm_config, type(self).__name__)  # before anything is registered
         use_vllm_logging()  # also when loaded by kv_connector_module_path, without the plugin
         self._build_halves(vllm_config, kv_cache_config)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks this before it builds anything (``--enable-sleep-mode`` then stops the
+        engine with "<name> does not support sleep mode."); ``refuse_sleep_mode`` says why."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33 calls this before sleep mode frees the KV cache; never reached, since
+        ``supports_sleep_mode`` and ``refuse_sleep_mode`` stop such an engine at startup."""
+        raise RuntimeError(sleep_mode_refusal(type(self).__name__))
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33 calls this after a wake-up (see ``unregister_kv_caches``)."""
+        raise RuntimeError(sleep_mode_refusal(type(self).__name__))
 
     def _build_halves(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None):
         """Load and validate the connector's settings (so a bad config stops vLLM at startup),
