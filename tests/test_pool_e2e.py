@@ -24,10 +24,10 @@ from harness.pd import (
     greedy_body,
     minimal_proxy,
     pool_args,
-    pool_extra,
     start_with_master,
     tokens_by_transfer,
 )
+from harness.pool_hosts import HOSTS, VLLM_DEFAULTS, user_json, user_master
 from harness.servers import start_mooncake_master
 
 pytestmark = pytest.mark.servers
@@ -39,22 +39,33 @@ LENGTHS = [1, 5, 127, 128, 129, 200, 255, 256, 257, 300, 383, 450, 511, 512, 513
 
 
 @pytest.fixture(scope="module")
-def pool(cluster):
-    master = start_mooncake_master()
-    extra = pool_extra(master, global_segment_size="256MB")
+def pool(cluster, tmp_path_factory):
+    """Laid out as a new user lays it out (``harness.pool_hosts``): mooncake_master as the
+    README starts it, each engine on its own address with its own json naming it
+    ``local_hostname``, and vLLM's own thread binding (its workers pinned to the cores it
+    picks: the store's threads inherited that pin and starved, docs/pool.md "Threads")."""
+    master = user_master()
+    cfg = tmp_path_factory.mktemp("pool-json")
+
+    def spec(name: str, host: str, kv_args: list[str], **extra_env: str) -> ServerSpec:
+        path = user_json(cfg / f"{name}.json", host, master)
+        env = {**VLLM_DEFAULTS, "MOONCAKE_CONFIG_PATH": str(path), **extra_env}
+        return ServerSpec(name, host, kv_args, env)
+
     specs = [
-        ServerSpec("pool-prefill", args=pool_args("kv_both", extra)),
-        ServerSpec("pool-decode1", args=pool_args("kv_both", extra)),
+        spec("pool-prefill", HOSTS[0], pool_args("kv_both", {})),
+        spec("pool-decode1", HOSTS[1], pool_args("kv_both", {})),
         # The explicit form, with vLLM's plugins off, as a consumer only.
-        ServerSpec(
+        spec(
             "pool-decode2",
-            args=pool_args(
+            HOSTS[2],
+            pool_args(
                 "kv_consumer",
-                extra,
+                {},
                 kv_connector_module_path="mooncake_vllm.pool.connector",
                 kv_load_failure_policy="recompute",
             ),
-            env={"VLLM_PLUGINS": ""},
+            VLLM_PLUGINS="",
         ),
     ]
     servers = start_with_master(cluster.model, master, specs)
