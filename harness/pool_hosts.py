@@ -1,8 +1,9 @@
 """The pool as a new user lays it out: three ``MooncakeStoreConnector`` engines (``kv_both``), each
 on its own address with its own ``MOONCAKE_CONFIG_PATH`` json of the keys Mooncake Store users
 write, a ``mooncake_master`` started as the README starts it (its http metadata server,
-``--client_ttl 30``), a plain vLLM to compare with, and requests the way of the minimal proxy (prefill with ``max_tokens=1``,
-then the original request to decode 1; no ``kv_transfer_params``). Decode 2 then gets the same
+``--client_ttl 30``), a plain vLLM to compare with, and requests the way of the minimal proxy
+(prefill with ``max_tokens=1``, then the original request to decode 1; no
+``kv_transfer_params``). Decode 2 then gets the same
 prompts: it has seen none of them, so they must come from the pool.
 
     python -m harness.pool_hosts [--runs N] [--requests 12] [--client-ttl S]
