@@ -136,6 +136,12 @@ def probe_internals() -> Probe:
         expected = ["dtype", "block_size", "head_size", "kv_cache_dtype"]
         return None if params == expected else f"_get_attn_isa takes {params}"
 
+    def child_ids() -> str | None:
+        from vllm.v1.engine.parallel_sampling import ParentRequest
+
+        src = _source(ParentRequest.get_child_info)
+        return None if 'f"{index}_{self.request_id}"' in src else "n > 1 children named otherwise"
+
     check("wakeup", wakeup)
     check("engine_core", engine_core)
     check("queue_condition", queue_cond)
@@ -143,7 +149,16 @@ def probe_internals() -> Probe:
     check("queue_spin", spin)
     check("connector_registry", factory)
     check("cpu_kv_format", cpu_kv_format)
+    check("child_request_ids", child_ids)
     return found
+
+
+def parent_request_id(req_id: str) -> str | None:
+    """The parent of one of vLLM's ``n > 1`` children (``ParentRequest.get_child_info`` names
+    child ``index`` ``f"{index}_{parent_id}"``; the parent's id carries a random suffix), or
+    None for a request that is no child. Siblings carry one ``kv_transfer_params``."""
+    index, sep, parent = req_id.partition("_")
+    return parent if sep and index.isdigit() and parent else None
 
 
 def _source(obj: Any) -> str:

@@ -159,25 +159,123 @@ async def test_a_decode_whose_producer_never_answers_ends_per_policy(pd, http, c
     await eventually(lambda: nothing_held(pd.decode), 10, "decode freed")
 
 
-async def test_a_transfer_id_used_again_is_refused_and_the_decode_computes_safely(pd, http):
-    """The producer refuses an id it has used (its log names it) and hands nothing over under
-    it. The decode knows the id from its first pull: it takes it as a follower of that pull
-    (vLLM's ``n > 1`` rule), so it pulls nothing and reads only its own prefix cache, which is
-    keyed by content: the answer is the plain vLLM's either way."""
+def prefill_leg(model, prompt, transfer_id: str) -> dict:
+    leg = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    return greedy_body(model, prompt, 1, kv_transfer_params=leg)
+
+
+def logged(srv, text: str) -> bool:
+    return text in srv.process.log_tail(200_000)
+
+
+@pytest.mark.provokes_pull_failure
+async def test_a_transfer_id_used_again_after_it_ended_is_refused_on_both_halves(pd, http):
+    """The producer refuses an id it has used and holds nothing under it; the decode, which
+    pulled under it, refuses another request that carries it (naming it): vLLM's policy
+    (recompute here) decides, and the answer is the plain vLLM's."""
     prompt = prompts(5, [300])[0]
     tid, eid = f"xfer-{uuid.uuid4()}", await engine_id(http)
-    leg = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
-    prefill = greedy_body(pd.model, prompt, 1, kv_transfer_params=leg)
-    first = await complete(http, pd.prefill, prefill)
+    first = await complete(http, pd.prefill, prefill_leg(pd.model, prompt, tid))
     assert first.kv_transfer_params["transfer_id"] == tid
     assert first.kv_transfer_params["remote_engine_id"] == eid
     await complete(http, pd.decode, decode_leg(pd.model, prompt, tid, eid))
-    again = await complete(http, pd.prefill, prefill)
+    again = await complete(http, pd.prefill, prefill_leg(pd.model, prompt, tid))
     assert again.kv_transfer_params is None  # refused: nothing held under a used id
+    assert logged(pd.prefill, f"transfer_id {tid[:13]} was used before on this producer")
     before = PULL_COUNTERS.read(pd.decode)
     other = prompts(6, [300])[0]  # another prompt under the same id
     redo = await complete(http, pd.decode, decode_leg(pd.model, other, tid, eid))
     want = await complete(http, pd.plain, greedy_body(pd.model, other, MAX_TOKENS))
     assert redo.token_ids == want.token_ids
-    assert PULL_COUNTERS.since(pd.decode, before)["pulls"] == 0
+    moved = PULL_COUNTERS.since(pd.decode, before)
+    assert (moved["pulls"], moved["pull_failures"]) == (0, 1)
+    assert logged(pd.decode, f"transfer_id {tid[:13]} was used before on this consumer by request")
     await eventually(lambda: nothing_held(pd.prefill) and nothing_held(pd.decode), 15, "freed")
+
+
+@pytest.mark.provokes_pull_failure
+async def test_a_transfer_id_sent_with_two_prompts_at_once_serves_neither_the_others_kv(pd, http):
+    """One id, two prompts of the same length, both legs of each at once; the decode of the
+    second prompt is first. The producer holds the first prompt's KV under the id and refuses
+    the second prefill; it refuses the second decode's acquire (another prompt: by the prompt
+    digest, not the length), the decode refuses the first decode (the id is taken), both are
+    recomputed token-exact, and the unread lease ends at its TTL."""
+    first, second = prompts(7, [400, 400])
+    tid, eid = f"xfer-{uuid.uuid4()}", await engine_id(http)
+    before = PULL_COUNTERS.read(pd.decode)
+    late = asyncio.create_task(complete(http, pd.decode, decode_leg(pd.model, second, tid, eid)))
+    await eventually(lambda: pd.decode.metric("vllm:num_requests_waiting") == 1, 10, "parked")
+    early = asyncio.create_task(complete(http, pd.decode, decode_leg(pd.model, first, tid, eid)))
+    held = await complete(http, pd.prefill, prefill_leg(pd.model, first, tid))
+    assert held.kv_transfer_params["transfer_id"] == tid
+    refused = await complete(http, pd.prefill, prefill_leg(pd.model, second, tid))
+    assert refused.kv_transfer_params is None
+    for task, prompt in ((late, second), (early, first)):
+        want = await complete(http, pd.plain, greedy_body(pd.model, prompt, MAX_TOKENS))
+        assert (await task).token_ids == want.token_ids
+    moved = PULL_COUNTERS.since(pd.decode, before)
+    assert (moved["pulls"], moved["pull_failures"]) == (0, 2)
+    assert logged(pd.decode, f"transfer_id {tid[:13]} holds another prompt's KV")
+    assert logged(pd.decode, f"transfer_id {tid[:13]} was used before on this consumer by request")
+    await eventually(lambda: nothing_held(pd.decode), 10, "decode freed")
+    await eventually(lambda: nothing_held(pd.prefill), pd.lease_ttl_s + 5, "lease expired")
+
+
+@pytest.mark.provokes_pull_failure
+async def test_a_stranger_with_the_transfer_id_gets_nothing_and_the_decode_still_pulls(pd, http):
+    """A stranger that has the id (guessed, or read off the wire) and sends its own decode leg,
+    to another consumer of the cluster, before the real one: its acquire waits for the lease
+    and is refused (its prompt is not the lease's; kv_both fails it, policy fail), while the real
+    decode pulls the prompt token-exact. A guessed random id finds nothing to wait for
+    (``test_a_decode_whose_producer_never_answers_ends_per_policy``), and side-channel frames
+    without the secret get no answer (``test_hostile_peers_e2e``)."""
+    prompt, strangers = prompts(9, [500, 500])
+    tid, eid = f"xfer-{uuid.uuid4()}", await engine_id(http)
+    failed = pd.both.metric("mooncake_vllm:pull_failures_total")
+    stranger_body = decode_leg(pd.model, strangers, tid, eid)
+
+    async def stranger() -> int:
+        async with http.post(pd.both.url + "/v1/completions", json=stranger_body) as resp:
+            return resp.status
+
+    stranger_task = asyncio.create_task(stranger())
+    await eventually(lambda: pd.both.metric("vllm:num_requests_waiting") == 1, 10, "parked")
+    before = PULL_COUNTERS.read(pd.decode)
+    decode = asyncio.create_task(complete(http, pd.decode, decode_leg(pd.model, prompt, tid, eid)))
+    assert (await complete(http, pd.prefill, prefill_leg(pd.model, prompt, tid))).kv_transfer_params
+    want = await complete(http, pd.plain, greedy_body(pd.model, prompt, MAX_TOKENS))
+    assert (await decode).token_ids == want.token_ids
+    assert await stranger_task == 500  # no answer from another prompt's KV
+    assert pd.both.metric("mooncake_vllm:pull_failures_total") == failed + 1
+    assert logged(pd.both, f"transfer_id {tid[:13]} holds another prompt's KV")
+    moved = PULL_COUNTERS.since(pd.decode, before)
+    assert (moved["pulls"], moved["pull_failures"]) == (1, 0)
+    await eventually(
+        lambda: nothing_held(pd.prefill) and nothing_held(pd.decode) and nothing_held(pd.both),
+        15,
+        "freed",
+    )
+
+
+@pytest.mark.provokes_pull_failure
+async def test_a_prefill_whose_decode_never_comes_is_freed_at_the_lease_ttl(pd, http):
+    """Only the prefill leg arrives (the orchestrator lost the decode): the producer holds the
+    prompt until lease_ttl_s and then frees its blocks; a decode leg that comes later is refused
+    naming the id and recomputed per policy."""
+    prompt = prompts(11, [600])[0]
+    tid, eid = f"xfer-{uuid.uuid4()}", await engine_id(http)
+    expired = pd.prefill.metric("mooncake_vllm:expired_total")
+    t0 = time.monotonic()
+    assert (await complete(http, pd.prefill, prefill_leg(pd.model, prompt, tid))).kv_transfer_params
+    assert pd.prefill.metric("mooncake_vllm:held_leases") == 1
+    await eventually(lambda: nothing_held(pd.prefill), pd.lease_ttl_s + 5, "lease expired")
+    took = time.monotonic() - t0
+    assert pd.lease_ttl_s - 1 <= took < pd.lease_ttl_s + 5
+    assert pd.prefill.metric("mooncake_vllm:expired_total") == expired + 1
+    before = PULL_COUNTERS.read(pd.decode)
+    late = await complete(http, pd.decode, decode_leg(pd.model, prompt, tid, eid))
+    want = await complete(http, pd.plain, greedy_body(pd.model, prompt, MAX_TOKENS))
+    assert late.token_ids == want.token_ids
+    assert PULL_COUNTERS.since(pd.decode, before)["pull_failures"] == 1
+    assert logged(pd.decode, f"transfer {tid[:13]} already expired")
+    await eventually(lambda: nothing_held(pd.decode), 10, "decode freed")

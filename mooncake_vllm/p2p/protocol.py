@@ -6,11 +6,15 @@ frames are msgpack over ZeroMQ between a consumer worker and the producer worker
 
 from __future__ import annotations
 
+import hashlib
 import re
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
+from mooncake_vllm.core.auth import short_id
 from mooncake_vllm.core.planning import MemSegment
 
 PROTOCOL_VERSION = 1
@@ -45,9 +49,22 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     # Which start of the producer holds the lease: a producer restarted on the same address
     # refuses the handoffs of its previous life by this, not only by their unknown ids.
     producer_incarnation: str = ""
+    # ``prompt_digest`` of the prompt whose KV the lease holds: a consumer takes it only for a
+    # request with the same prompt (a transfer id an orchestrator used for two requests).
+    prompt_digest: str = ""
 
     def to_params(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+
+def prompt_digest(token_ids: Sequence[int] | None) -> str:
+    """What binds a lease to its prompt: a 128-bit BLAKE2b of the prompt's token ids ("" when
+    the prompt has none, e.g. prompt embeddings). Both halves tokenize the same request, so a
+    decode whose prompt differs from the prefill's under one transfer id is told apart before a
+    byte moves (``LeaseTable.acquire``, ``validate_handoff``)."""
+    if not token_ids:
+        return ""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
 class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):
@@ -158,6 +175,7 @@ def validate_handoff(
     block_size: int,
     kv_layout: str = "",
     reblock_format: str = "",
+    prompt_digest: str = "",
 ) -> None:
     """Check a handoff against the request and this consumer; raises HandoffError.
 
@@ -178,6 +196,12 @@ def validate_handoff(
         )
     if h.prompt_len != prompt_len:
         raise HandoffError(f"prompt length {prompt_len} differs from the producer's {h.prompt_len}")
+    if h.prompt_digest and prompt_digest and h.prompt_digest != prompt_digest:
+        raise HandoffError(
+            f"transfer_id {short_id(h.transfer_id)} holds another prompt's KV (same length, "
+            "other tokens): was it used for two requests? Choose a new transfer_id for every "
+            "request"
+        )
     if h.block_size < 1:
         raise HandoffError(f"producer block size {h.block_size} must be at least 1")
     if h.block_size != block_size and not (reblock_format and h.kv_format == reblock_format):
@@ -240,6 +264,10 @@ class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     # This consumer takes a grant while the prefill still computes (``Granted.ready``; a
     # producer with ``layerwise_handoff``); the rest of the layers come in ``Progress``.
     layers_ok: bool = False
+    # A pending acquire: the digest of the consumer request's prompt (``prompt_digest``). The
+    # producer grants only the lease of that prompt, so a transfer id used for two requests
+    # never serves one the other's KV.
+    prompt_digest: str = ""
 
 
 class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):
