@@ -153,6 +153,20 @@ def probe_internals() -> Probe:
     return found
 
 
+def data_parallel_ranks(parallel_config: Any) -> dict[str, int]:
+    """This engine's DP rank, of all (``dp_rank``) and on this host (``dp_local_rank``). vLLM
+    runs each DP rank of a dense model as an independent engine (its ``data_parallel_rank`` and
+    size reset to 0 and 1, ``reconfigure_for_independent_dp_rank``); ``data_parallel_index`` and
+    ``data_parallel_rank_local`` keep the rank."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if index is None:
+        index = parallel_config.data_parallel_rank or 0
+    return {
+        "dp_rank": int(index),
+        "dp_local_rank": int(parallel_config.data_parallel_rank_local or 0),
+    }
+
+
 def parent_request_id(req_id: str) -> str | None:
     """The parent of one of vLLM's ``n > 1`` children (``ParentRequest.get_child_info`` names
     child ``index`` ``f"{index}_{parent_id}"``; the parent's id carries a random suffix), or

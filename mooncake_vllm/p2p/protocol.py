@@ -97,17 +97,18 @@ class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _HEX = frozenset("0123456789abcdef")
-# vLLM's upstream orchestrators (its mooncake proxy, llm-d, Dynamo): ``xfer-`` and a random
-# (version 4) UUID in canonical lowercase form, 122 random bits.
+# vLLM's upstream orchestrators: ``xfer-`` and a random (version 4) UUID in canonical lowercase
+# form (its mooncake proxy, llm-d), or the UUID alone (Dynamo's ``str(uuid.uuid4())``); 122
+# random bits.
 _UPSTREAM_ID = re.compile(
-    r"xfer-[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+    r"(xfer-)?[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
 )
 
 
 def is_transfer_id(value: object) -> bool:
     """The only transfer ids a producer takes from a client, so that a lease's name is never
     guessable: 128 random bits in lowercase hex (our proxy's ``--dispatch concurrent``), or
-    upstream's ``xfer-<uuid4>``. The producer also never takes one twice
+    upstream's ``xfer-<uuid4>`` or ``<uuid4>``. The producer also never takes one twice
     (``SchedulerHalf._new_transfer_id``)."""
     if not isinstance(value, str):
         return False
@@ -124,8 +125,8 @@ def parse_pending(params: dict[str, Any]) -> PendingHandoff:
         raise HandoffError(f"malformed pending kv_transfer_params: {e}") from e
     if not is_transfer_id(h.transfer_id):
         raise HandoffError(
-            "a pending handoff's transfer_id must be 32 lowercase hex digits or 'xfer-' and a "
-            "random UUID"
+            "a pending handoff's transfer_id must be 32 lowercase hex digits or a random UUID "
+            "('xfer-' before it or not)"
         )
     if not (h.side_channel_host and h.side_channel_ports):
         raise HandoffError("a pending handoff names the producer's side channel")

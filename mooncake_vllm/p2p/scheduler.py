@@ -37,7 +37,7 @@ from vllm.v1.request import RequestStatus
 from mooncake_vllm.core.auth import host_allowed, short_id
 from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
 from mooncake_vllm.core.planning import REBLOCKABLE
-from mooncake_vllm.p2p.bootstrap import BootstrapService
+from mooncake_vllm.p2p.bootstrap import BootstrapRegistration, BootstrapService, bootstrap_url
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
 from mooncake_vllm.p2p.local_channels import WakeForwarder, wake_endpoint
@@ -106,18 +106,21 @@ class SchedulerHalf:
         self._woken = threading.Event()  # a worker or a lease reported since the last rest
         # Producer: leases and side channels, in a process of their own (leases.client).
         self._leases: LeaseService | None = None
-        # Producer: vLLM's upstream bootstrap HTTP service (``GET /query``), beside the leases.
-        self._bootstrap: BootstrapService | None = None
+        # Producer: vLLM's upstream bootstrap HTTP service (``GET /query``), beside the leases;
+        # another local DP rank's registration with it.
+        self._bootstrap: BootstrapService | BootstrapRegistration | None = None
         if cfg.is_producer:
             self._leases = LeaseService(
                 cfg, wake_endpoint(cfg.host, cfg.base_port), kv_replicated=kv_replicated
             )
-            if cfg.bootstrap_port:
+            if cfg.serves_bootstrap:
                 try:
                     self._bootstrap = BootstrapService(cfg)
                 except BaseException:
                     self._leases.close()
                     raise
+            elif cfg.bootstrap_port:
+                self._bootstrap = BootstrapRegistration(cfg)
         self._waker: WakeForwarder | None = None
         if self._engine_core is not None:
             try:
@@ -423,7 +426,8 @@ class SchedulerHalf:
 
     def _answer(self, handoff: Handoff) -> dict[str, Any]:
         """``kv_transfer_params`` for the prefill's response, usable in both conventions."""
-        return producer_params(handoff, self._bootstrap.url if self._bootstrap else "")
+        url = bootstrap_url(self._cfg.bootstrap_listen_host, self._cfg.bootstrap_port)
+        return producer_params(handoff, url if self._cfg.bootstrap_port else "")
 
     def _new_transfer_id(self, req_id: str, asked: object) -> str | None:
         """The id that names a lease on the side channel, random so nobody can guess it: the
