@@ -18,6 +18,32 @@ Written here from each one's source (read, not copied; versions in docs/compatib
   (the prefill capped to one token), the prefill sent in a goroutine with the
   ``X-data-parallel-rank`` header, its answer only checked for its status, the decode's answer
   is the client's.
+- ``DynamoVllm``: Dynamo's vLLM worker handlers with ``MooncakeConnector``
+  (ai-dynamo/dynamo at 690ece45, ``components/src/dynamo/vllm/kv_connector_protocols.py``
+  ``MooncakeConnectorProtocol`` and ``handlers.py`` ``PrefillWorkerHandler`` /
+  ``DecodeWorkerHandler``): the prefill worker gives its request ``transfer_id =
+  str(uuid4())`` (no ``xfer-``), ``max_tokens`` and ``min_tokens`` 1, waits for its answer, and
+  only then hands the decode worker ``remote_bootstrap_addr`` from vLLM's
+  ``get_mooncake_bootstrap_addr`` of the prefill's own config (``bootstrap_server_address``, else
+  the DP master address) and ``remote_engine_id`` from its ``kv_transfer_config.engine_id``,
+  whatever the prefill answered. Dynamo's workers call vLLM's engine in-process with token ids;
+  here each leg is one HTTP request to the engine's OpenAI server, the body the client's.
+
+And two of the NIXL-style convention (the prefill answers the params, the decode gets them), as
+regression clients:
+
+- ``LlmdNixlV2``: llm-d's sidecar with ``--kv-connector nixlv2``
+  (``pkg/sidecar/proxy/connector_nixlv2.go``, llm-d/llm-d-router at 45c38549): the prefill
+  with ``kv_transfer_params`` ``{do_remote_decode: true, do_remote_prefill: false}`` and nulls
+  for ``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``, not
+  streamed, ``stream_options`` dropped, the token limits (``max_tokens``, and
+  ``max_completion_tokens`` for chat) set to 1, header ``X-Request-Id``; the decode with the
+  client's body restored and the prefill's ``kv_transfer_params`` as they came.
+- ``RayServePD``: Ray Serve LLM's default P/D backend, ``PDProxyServer``
+  (``python/ray/llm/_internal/serve/serving_patterns/prefill_decode/pd_server.py``,
+  ray-project/ray at c3cc5706): the same prefill params, ``max_tokens`` 1 and ``stream`` false
+  on a copy of the request, the decode the request with the prefill's params; both carry the
+  Serve request id as ``request_id``.
 """
 
 from __future__ import annotations
@@ -170,3 +196,99 @@ def _cap_single_token(body: dict, api: str) -> None:
         body["max_completion_tokens"] = 1
     body["stream"] = False
     body.pop("stream_options", None)
+
+
+class DynamoVllm:
+    """Dynamo's prefill and decode worker handlers in front of one prefill and one decode.
+    ``prefill_config``: the prefill engine's ``VllmConfig`` as Dynamo's prefill worker holds it
+    (its ``kv_transfer_config`` and ``parallel_config``)."""
+
+    def __init__(self, session, prefill_url: str, decode_url: str, prefill_config: Any):
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
+            get_mooncake_bootstrap_addr,
+        )
+
+        self._session, self._prefill, self._decode = session, prefill_url, decode_url
+        host, port = get_mooncake_bootstrap_addr(prefill_config)  # vLLM's own helper
+        self.bootstrap_addr = f"http://{host}:{port}"
+        self.engine_id = prefill_config.kv_transfer_config.engine_id
+        self.prefill_tasks: list[asyncio.Task] = []  # none: the prefill is awaited
+
+    async def post(self, api: str, body: dict) -> aiohttp.ClientResponse:
+        transfer_id = str(uuid.uuid4())
+        prefill_body = dict(body)
+        prefill_body["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": transfer_id,
+        }
+        prefill_body.update(max_tokens=1, min_tokens=1, stream=False)
+        prefill_body.pop("max_completion_tokens", None)
+        prefill_body.pop("stream_options", None)
+        async with self._session.post(self._prefill + api, json=prefill_body) as r:
+            r.raise_for_status()
+            await r.read()
+        decode_body = dict(body)
+        decode_body["kv_transfer_params"] = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_bootstrap_addr": self.bootstrap_addr,
+            "remote_engine_id": self.engine_id,
+        }
+        resp = await self._session.post(self._decode + api, json=decode_body)
+        resp.raise_for_status()
+        return resp
+
+
+_NIXL_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class LlmdNixlV2:
+    """llm-d's sidecar with ``--kv-connector nixlv2`` in front of one prefill and one decode."""
+
+    def __init__(self, session, prefill_url: str, decode_url: str):
+        self._session, self._prefill, self._decode = session, prefill_url, decode_url
+        self.prefill_tasks: list[asyncio.Task] = []  # none: the prefill is awaited
+
+    async def post(self, api: str, body: dict) -> aiohttp.ClientResponse:
+        rid = str(uuid.uuid1())  # Go's uuid.NewUUID: version 1
+        limits = ("max_tokens", "max_completion_tokens") if "chat" in api else ("max_tokens",)
+        prefill_body = {**body, "kv_transfer_params": dict(_NIXL_PREFILL_PARAMS), "stream": False}
+        prefill_body.pop("stream_options", None)
+        prefill_body.update(dict.fromkeys(limits, 1))
+        headers = {"X-Request-Id": rid}
+        async with self._session.post(self._prefill + api, json=prefill_body, headers=headers) as r:
+            r.raise_for_status()
+            answer = await r.json()
+        decode_body = {**body, "kv_transfer_params": answer.get("kv_transfer_params")}
+        resp = await self._session.post(self._decode + api, json=decode_body, headers=headers)
+        resp.raise_for_status()
+        return resp
+
+
+class RayServePD:
+    """Ray Serve LLM's ``PDProxyServer`` in front of one prefill and one decode."""
+
+    def __init__(self, session, prefill_url: str, decode_url: str):
+        self._session, self._prefill, self._decode = session, prefill_url, decode_url
+        self.prefill_tasks: list[asyncio.Task] = []
+
+    async def post(self, api: str, body: dict) -> aiohttp.ClientResponse:
+        body = {**body, "request_id": str(uuid.uuid4())}  # Serve's request id, on both legs
+        prefill_body = {**body, "kv_transfer_params": dict(_NIXL_PREFILL_PARAMS)}
+        prefill_body.update(max_tokens=1, stream=False)
+        async with self._session.post(self._prefill + api, json=prefill_body) as r:
+            r.raise_for_status()
+            answer = await r.json()
+        decode_body = {**body, "kv_transfer_params": answer["kv_transfer_params"]}
+        resp = await self._session.post(self._decode + api, json=decode_body)
+        resp.raise_for_status()
+        return resp

@@ -290,6 +290,11 @@ def probe_files(files: VllmFiles, cpu_platform: bool = True) -> Probe:
             return "vllm.utils.watch_dog has no get_watch_dog"
         return None if "disable" in files.class_names(module, "WatchDog") else "no WatchDog.disable"
 
+    def child_ids() -> str | None:
+        # ast.unparse writes the f-string with single quotes, however the source wrote it.
+        src = files.source("vllm.v1.engine.parallel_sampling", "ParentRequest.get_child_info")
+        return None if "f'{index}_{self.request_id}'" in src else "n > 1 children named otherwise"
+
     check("wakeup", wakeup)
     check("engine_core", engine_core)
     check("scheduler_queues", scheduler)
@@ -299,7 +304,30 @@ def probe_files(files: VllmFiles, cpu_platform: bool = True) -> Probe:
     check("block_pool", block_pool)
     check("cpu_kv_format", cpu_kv_format)
     check("watchdog", watchdog)
+    check("child_request_ids", child_ids)
     return found
+
+
+def data_parallel_ranks(parallel_config: Any) -> dict[str, int]:
+    """This engine's DP rank, of all (``dp_rank``) and on this host (``dp_local_rank``). vLLM
+    runs each DP rank of a dense model as an independent engine (its ``data_parallel_rank`` and
+    size reset to 0 and 1, ``reconfigure_for_independent_dp_rank``); ``data_parallel_index`` and
+    ``data_parallel_rank_local`` keep the rank."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if index is None:
+        index = parallel_config.data_parallel_rank or 0
+    return {
+        "dp_rank": int(index),
+        "dp_local_rank": int(parallel_config.data_parallel_rank_local or 0),
+    }
+
+
+def parent_request_id(req_id: str) -> str | None:
+    """The parent of one of vLLM's ``n > 1`` children (``ParentRequest.get_child_info`` names
+    child ``index`` ``f"{index}_{parent_id}"``; the parent's id carries a random suffix), or
+    None for a request that is no child. Siblings carry one ``kv_transfer_params``."""
+    index, sep, parent = req_id.partition("_")
+    return parent if sep and index.isdigit() and parent else None
 
 
 def probe_internals() -> Probe:

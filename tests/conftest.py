@@ -183,7 +183,16 @@ def _start_cluster(model: str, tmp_path_factory) -> Cluster:
         ServerSpec(
             "prefill",
             PREFILL_HOST,
-            kv_args("kv_producer", {"lease_ttl_s": LEASE_TTL_S, "layerwise_handoff": True}),
+            kv_args(
+                "kv_producer",
+                {
+                    "lease_ttl_s": LEASE_TTL_S,
+                    "layerwise_handoff": True,
+                    # Where Dynamo's prefill worker tells decodes to ask (vLLM's
+                    # get_mooncake_bootstrap_addr reads this key; tests/test_upstream_e2e.py).
+                    "bootstrap_server_address": f"{PREFILL_HOST}:8998",
+                },
+            ),
             env,
         ),
         ServerSpec(

@@ -3,11 +3,13 @@ consumer's block pins that keep blocks under a pull from reuse."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 from vllm.v1.core.block_pool import BlockPool
 
 from mooncake_vllm.core.loads import BlockPins
-from mooncake_vllm.p2p.leases.table import NOT_YET, LeaseState, LeaseTable, NotOwner
+from mooncake_vllm.p2p.leases.table import NOT_YET, Lease, LeaseState, LeaseTable, NotOwner
 from mooncake_vllm.p2p.protocol import ALL_LAYERS
 
 # ---- leases ---------------------------------------------------------------------------------
@@ -28,6 +30,13 @@ def clock() -> FakeClock:
 
 def _table(clock, ttl_s=10.0, budget_bytes=1000, pull_hold_s=5.0) -> LeaseTable:
     return LeaseTable(ttl_s, budget_bytes, pull_hold_s, clock=clock)
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the table reads of a lease's handoff."""
+
+    prompt_digest: str
 
 
 # Owner tokens of three consumer pulls (random 16 bytes in the worker).
@@ -51,6 +60,26 @@ def test_hold_acquire_release(clock):
     assert t.take_finished() == {"req-1"}
     assert t.take_finished() == set()  # reported once
     assert t.ended_counts == {"released": 1}
+
+
+def test_a_pending_acquire_is_granted_only_the_lease_of_its_own_prompt(clock):
+    """A transfer id sent with two requests: the decode of the other prompt is refused, naming
+    the id, and the lease stays for the decode of its own prompt."""
+    t = _table(clock)
+    tid = "xfer-3f2b8c1e-9d4a-4e6f-8b1c-2a3d4e5f6a7b"
+    t.add("req-1", tid, [3, 4], 100, handoff=Handoff(prompt_digest="aa"))
+    refused = t.acquire(tid, [], A, pending=True, prompt_digest="bb")
+    assert refused == (
+        "transfer_id xfer-3f2b8c1e holds another prompt's KV: it was used for two requests "
+        "(choose a new transfer_id for every request)"
+    )
+    assert t.acquire(tid, [], B, pending=True, prompt_digest="aa").owners == {B}
+
+
+def test_a_pending_acquire_without_a_prompt_digest_is_not_checked(clock):
+    t = _table(clock)  # a consumer of an older version, or a prompt of embeddings
+    t.add("req-1", "t-1", [3, 4], 100, handoff=Handoff(prompt_digest="aa"))
+    assert isinstance(t.acquire("t-1", [], A, pending=True), Lease)
 
 
 # ---- leases opened while their prefill computes (layerwise_handoff) ---------------------------

@@ -156,6 +156,22 @@ def test_mismatching_handoff_is_refused(handoff, request_overrides, match):
         _validate(handoff, **request_overrides)
 
 
+def test_a_handoff_of_another_prompt_of_the_same_length_is_refused_naming_its_id():
+    mine, other = protocol.prompt_digest(range(40)), protocol.prompt_digest(range(1, 41))
+    h = _handoff(transfer_id="xfer-3f2b8c1e-9d4a-4e6f-8b1c-2a3d4e5f6a7b", prompt_digest=other)
+    with pytest.raises(protocol.HandoffError, match="transfer_id xfer-3f2b8c1e holds another"):
+        _validate(h, prompt_digest=mine)
+    _validate(h, prompt_digest=other)
+    _validate(_handoff(), prompt_digest=mine)  # a producer that names no prompt: not checked
+
+
+def test_the_prompt_digest_is_of_the_token_ids_and_empty_without_them():
+    assert protocol.prompt_digest([1, 2, 3]) == protocol.prompt_digest((1, 2, 3))
+    assert protocol.prompt_digest([1, 2, 3]) != protocol.prompt_digest([1, 2, 4])
+    assert len(protocol.prompt_digest([7])) == 32
+    assert protocol.prompt_digest([]) == protocol.prompt_digest(None) == ""
+
+
 @pytest.mark.parametrize("producer_tp", [1, 2, 4, 8])
 def test_any_tp_size_validates(producer_tp):
     """The consumer reads each head from a producer rank that holds it (planning.head_sources):

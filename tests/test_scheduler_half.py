@@ -38,6 +38,7 @@ def request(req_id: str, prompt_len: int, params: dict | None, **kw) -> SimpleNa
         request_id=req_id,
         kv_transfer_params=params,
         num_prompt_tokens=prompt_len,
+        prompt_token_ids=kw.get("tokens", list(range(prompt_len))),
         status=kw.get("status", RequestStatus.WAITING),
         num_computed_tokens=kw.get("computed", 0),
     )
@@ -140,37 +141,70 @@ def loaded(req_ids, failed=()):
     return KVConnectorOutput(finished_recving=set(req_ids), failed_recving=set(failed))
 
 
+# vLLM's names for the children of one n > 1 request (``ParentRequest.get_child_info``).
+R1, R2 = "0_cmpl-9-0-1a2b3c4d", "1_cmpl-9-0-1a2b3c4d"
+
+
 def test_requests_sharing_a_transfer_id_pull_it_once_and_follow_the_first(consumer):
-    """vLLM's n > 1 children (or a replayed handoff) carry one transfer id: the first pulls; the
-    others ask again while it is in flight, then take the local prefix cache, never the lease."""
-    _, _, (load,) = plan(consumer, request("r1", 300, handoff_params(300)), Blocks([10, 11, 12]))
+    """vLLM's n > 1 children carry one transfer id: the first pulls; the others ask again while
+    it is in flight, then take the local prefix cache, never the lease."""
+    _, _, (load,) = plan(consumer, request(R1, 300, handoff_params(300)), Blocks([10, 11, 12]))
     assert load.handoff is not None and load.error is None
-    child = request("r2", 300, handoff_params(300))
+    child = request(R2, 300, handoff_params(300))
     assert consumer.get_num_new_matched_tokens(child, 0) == (None, False)  # ask again later
     assert consumer.get_num_new_matched_tokens(child, 256) == (None, False)
-    consumer.update_connector_output(loaded(["r1"]))  # the first's load is done
+    consumer.update_connector_output(loaded([R1]))  # the first's load is done
     assert consumer.get_num_new_matched_tokens(child, 256) == (0, False)  # 256 cached here
     consumer.update_state_after_alloc(child, Blocks([20, 21, 22]), 0)
     assert consumer.build_connector_meta(STEP).loads == []  # no pull, no release: not its lease
 
 
 def test_requests_following_a_failed_pull_fail_with_it_without_touching_the_lease(consumer):
-    plan(consumer, request("r1", 300, handoff_params(300)), Blocks([10, 11, 12]))
-    consumer.update_connector_output(loaded(["r1"], failed=["r1"]))
-    _, is_async, (load,) = plan(
-        consumer, request("r2", 300, handoff_params(300)), Blocks([20, 21, 22])
-    )
+    plan(consumer, request(R1, 300, handoff_params(300)), Blocks([10, 11, 12]))
+    consumer.update_connector_output(loaded([R1], failed=[R1]))
+    _, is_async, (load,) = plan(consumer, request(R2, 300, handoff_params(300)), Blocks([20, 21]))
     assert is_async  # claimed, so the worker reports it failed and vLLM's policy decides
     assert load.handoff is None
-    assert "the pull of transfer t-1 this request shares (r1) failed" in load.error
+    assert f"the pull of transfer t-1 this request shares ({R1}) failed" in load.error
 
 
 def test_a_puller_whose_prompt_is_cached_here_lets_its_followers_go_at_once(consumer):
-    req = request("r1", 300, handoff_params(300))
+    req = request(R1, 300, handoff_params(300))
     assert consumer.get_num_new_matched_tokens(req, 300) == (0, False)
     consumer.update_state_after_alloc(req, Blocks([]), 0)  # nothing to pull: no outcome comes
-    child = request("r2", 300, handoff_params(300))
+    child = request(R2, 300, handoff_params(300))
     assert consumer.get_num_new_matched_tokens(child, 300) == (0, False)
+
+
+@pytest.mark.parametrize("settled", [None, "done", "failed"])
+@pytest.mark.parametrize(
+    ("other_id", "other_tokens"),
+    [
+        ("cmpl-7-0-5e6f7a8b", None),  # another request, the same prompt
+        ("1_cmpl-7-0-5e6f7a8b", None),  # a child of another request
+        (R2, list(range(1, 301))),  # a "sibling" of another prompt of the same length
+    ],
+)
+def test_a_transfer_id_used_by_another_request_is_refused_at_once_or_later(
+    consumer, settled, other_id, other_tokens
+):
+    """An orchestrator that sends one transfer_id with two requests (at once, or once the first
+    has ended): the second is claimed and refused naming the id, and never touches the lease.
+    Only vLLM's n > 1 siblings of one prompt follow the pull."""
+    tid = "xfer-3f2b8c1e-9d4a-4e6f-8b1c-2a3d4e5f6a7b"
+    plan(consumer, request(R1, 300, handoff_params(300, transfer_id=tid)), Blocks([10, 11, 12]))
+    if settled is not None:
+        consumer.update_connector_output(loaded([R1], failed=[R1] if settled == "failed" else []))
+    kw = {"tokens": other_tokens} if other_tokens else {}
+    other = request(other_id, 300, handoff_params(300, transfer_id=tid), **kw)
+    _, is_async, (load,) = plan(consumer, other, Blocks([20, 21, 22]))
+    assert is_async  # the worker reports it failed: vLLM's policy decides
+    assert load.handoff is None  # not even a release: the lease is the first request's
+    state = "still pulling" if settled is None else "ended"
+    assert load.error == (
+        f"transfer_id xfer-3f2b8c1e was used before on this consumer by request {R1} ({state}); "
+        "refused (choose a new transfer_id for every request)"
+    )
 
 
 def test_a_handoff_from_another_model_is_rejected_but_its_lease_is_released(consumer):

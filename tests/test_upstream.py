@@ -4,6 +4,7 @@ bootstrap service (a real process on a free port) and the consumer's resolver.""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -12,8 +13,8 @@ import pytest
 
 from harness.servers import free_port
 from mooncake_vllm.core.settings import ConfigError
-from mooncake_vllm.p2p import protocol, upstream
-from mooncake_vllm.p2p.bootstrap import BootstrapService
+from mooncake_vllm.p2p import bootstrap, protocol, upstream
+from mooncake_vllm.p2p.bootstrap import BootstrapRegistration, BootstrapService
 from mooncake_vllm.p2p.config import bootstrap_port, load_settings, resolve
 from mooncake_vllm.p2p.upstream import BootstrapError, BootstrapResolver
 
@@ -24,7 +25,9 @@ XFER = f"xfer-{uuid.uuid4()}"
     ("value", "ok"),
     [
         ("ab" * 16, True),  # our proxy's
-        (XFER, True),  # vLLM's proxy, llm-d, Dynamo
+        (XFER, True),  # vLLM's proxy, llm-d
+        (str(uuid.uuid4()), True),  # Dynamo's
+        (str(uuid.uuid1()), False),
         (f"xfer-{uuid.uuid4()}".upper(), False),
         (f"xfer-{uuid.uuid1()}", False),  # time-based: guessable
         ("xfer-" + "0" * 36, False),
@@ -150,6 +153,68 @@ def test_a_second_engine_on_the_same_bootstrap_port_stops_naming_the_setting(boo
         assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" in str(err.value)
     finally:
         first.close()
+
+
+def dp_cfg(port: int, dp_rank: int, tp: int = 2, host: str = "127.0.0.1"):
+    """DP rank ``dp_rank`` of a ``--data-parallel-size`` engine on one host (vLLM names its
+    engine ``<engine_id>_dp<rank>``)."""
+    settings = load_settings({"prefill_url": f"{host}:15000", "bootstrap_port": port}, env={})
+    return resolve(
+        settings, "kv_producer", f"e_dp{dp_rank}", tp, dp_rank=dp_rank, dp_local_rank=dp_rank
+    )
+
+
+def test_a_bootstrap_server_address_wins_as_upstreams_connector_reads_it():
+    settings = load_settings(
+        {"prefill_url": "127.0.0.2:15000", "bootstrap_server_address": "127.0.0.2:9100"}, env={}
+    )
+    cfg = resolve(settings, "kv_producer", "e", 1, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "9200"})
+    assert (cfg.bootstrap_listen_host, cfg.bootstrap_port) == ("127.0.0.2", 9100)
+    with pytest.raises(ConfigError, match="bootstrap_server_address='9100' must be 'host:port'"):
+        load_settings({"bootstrap_server_address": "9100"}, env={})
+
+
+def test_local_dp_ranks_take_consecutive_ports_and_only_the_first_serves_the_bootstrap():
+    ranks = [dp_cfg(8998, r) for r in range(3)]
+    assert [c.base_port for c in ranks] == [15000, 15004, 15008]  # 2 ports per TP rank each
+    assert [c.side_channel_port(1) for c in ranks] == [15003, 15007, 15011]
+    assert [c.serves_bootstrap for c in ranks] == [True, False, False]
+
+
+def query(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/query", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def test_every_local_dp_rank_is_listed_by_the_first_ones_bootstrap(boot_port):
+    later = BootstrapRegistration(dp_cfg(boot_port, 1))  # DP engines start in any order
+    service = BootstrapService(dp_cfg(boot_port, 0))
+    try:
+        want = upstream.query_body("e_dp0", 0, "127.0.0.1", [15001, 15003])
+        want |= upstream.query_body("e_dp1", 1, "127.0.0.1", [15005, 15007])
+        deadline = time.monotonic() + 10
+        while query(service.url) != want:
+            assert time.monotonic() < deadline, query(service.url)
+            time.sleep(0.1)
+        assert sorted(upstream.parse_query(query(service.url))) == ["e_dp0", "e_dp1"]
+    finally:
+        later.close()
+        service.close()
+
+
+def test_a_registration_is_taken_only_for_a_new_rank_on_the_bootstraps_host():
+    listed = upstream.query_body("e_dp0", 0, "127.0.0.1", [15001])
+    entry = upstream.query_body("e_dp1", 1, "127.0.0.1", [15003])
+    assert bootstrap.take_entry(listed, json.dumps(entry).encode(), "127.0.0.1") == ""
+    assert "DP rank 1 is listed already" in bootstrap.take_entry(
+        listed, json.dumps(entry).encode(), "127.0.0.1"
+    )
+    elsewhere = upstream.query_body("e_dp2", 2, "10.0.0.9", [15005])
+    assert "on 127.0.0.1" in bootstrap.take_entry(
+        listed, json.dumps(elsewhere).encode(), "127.0.0.1"
+    )
+    assert "malformed" in bootstrap.take_entry(listed, b"{nope", "127.0.0.1")
+    assert sorted(listed) == ["0", "1"]
 
 
 def pending(addr: str, engine_id: str = "e-1") -> protocol.PendingHandoff:

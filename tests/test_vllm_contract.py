@@ -349,3 +349,18 @@ def test_the_cuda_extras_admit_exactly_the_tested_vllms():
             version = f"0.{minor}.0"
             admitted = vllm.specifier.contains(version)
             assert admitted == vllm_glue.is_tested(version), (extra, version)
+
+
+def test_n_children_are_told_apart_from_other_requests_by_their_parent():
+    from vllm import SamplingParams
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    parent = ParentRequest(
+        types.SimpleNamespace(
+            request_id="cmpl-1-0-1a2b3c4d", external_req_id="cmpl-1-0", params=SamplingParams(n=2)
+        )
+    )
+    ids = [parent.get_child_info(i)[0] for i in range(2)]
+    assert {vllm_glue.parent_request_id(i) for i in ids} == {"cmpl-1-0-1a2b3c4d"}
+    assert vllm_glue.parent_request_id("cmpl-1-0-1a2b3c4d") is None
+    assert vllm_glue.parent_request_id("x_cmpl-1") is None

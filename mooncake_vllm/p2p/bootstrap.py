@@ -1,5 +1,12 @@
 """The producer's bootstrap service: vLLM's upstream HTTP API that its orchestrators ask.
 
+With vLLM's data parallelism on one host (``--data-parallel-size``: one engine core per DP rank),
+the first local DP rank's engine serves it, and every other local rank registers its own entry
+there (``BootstrapRegistration``) over an abstract Unix socket that only processes of the same
+user may use (checked by the peer's credentials), not over HTTP; ``/query`` lists the ranks
+registered so far, and the orchestrator picks one by its engine id and sends the prefill leg
+to it (header ``X-data-parallel-rank``).
+
 vLLM's mooncake proxy, llm-d and Dynamo ``GET http://<prefill host>:<VLLM_MOONCAKE_BOOTSTRAP_PORT,
 8998>/query`` for each data-parallel rank's ``engine_id`` (and worker addresses) before they send
 a request's two legs (``p2p.upstream``). We answer in upstream's shape, with our values: the
@@ -26,17 +33,33 @@ import json
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
+import threading
 from multiprocessing.connection import Connection
 
 from mooncake_vllm.core.settings import ConfigError
 from mooncake_vllm.p2p.config import BOOTSTRAP_PORT_ENV, ConnectorConfig
-from mooncake_vllm.p2p.upstream import query_body
+from mooncake_vllm.p2p.upstream import parse_query, query_body
 
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 30.0
+_REGISTER_EVERY_S = 0.5  # a DP rank's next try while the first rank's service is not up yet
+_MAX_ENTRY_BYTES = 1 << 16
+
+
+def query_entry(cfg: ConnectorConfig) -> dict:
+    """This engine's ``/query`` entry: its DP rank, engine id and side channels."""
+    ports = [cfg.side_channel_port(r) for r in range(cfg.tp_size)]
+    return query_body(cfg.engine_id, cfg.dp_rank, cfg.host, ports)
+
+
+def register_endpoint(host: str, port: int) -> str:
+    """Where the bootstrap on ``host:port`` takes the other local DP ranks' entries (an abstract
+    Unix socket: no file to clean up, gone with the process)."""
+    return f"\0mooncake-vllm/{host}:{port}/bootstrap"
 
 
 def bootstrap_url(host: str, port: int) -> str:
@@ -56,15 +79,10 @@ class BootstrapService:
     """The engine core's handle on the bootstrap process: started and bound on construction
     (raises ``ConfigError`` when the port is taken), ended by ``close``."""
 
-    def __init__(self, cfg: ConnectorConfig, dp_rank: int = 0):
-        self.host, self.port = cfg.host, cfg.bootstrap_port
+    def __init__(self, cfg: ConnectorConfig):
+        self.host, self.port = cfg.bootstrap_listen_host, cfg.bootstrap_port
         self.url = bootstrap_url(self.host, self.port)
-        body = query_body(
-            cfg.engine_id,
-            dp_rank,
-            cfg.host,
-            [cfg.side_channel_port(r) for r in range(cfg.tp_size)],
-        )
+        body = query_entry(cfg)
         ours, theirs = socket.socketpair()
         with theirs:
             self._proc = subprocess.Popen(
@@ -107,18 +125,65 @@ class BootstrapService:
         self._conn.close()
 
 
+class BootstrapRegistration:
+    """A DP rank other than the host's first: registers its ``/query`` entry with the first
+    rank's bootstrap service, trying every half second until it is taken (the DP engines start
+    together, in any order), from a thread that ``close`` ends."""
+
+    def __init__(self, cfg: ConnectorConfig):
+        self._endpoint = register_endpoint(cfg.bootstrap_listen_host, cfg.bootstrap_port)
+        self._line = json.dumps(query_entry(cfg)).encode() + b"\n"
+        self._where = bootstrap_url(cfg.bootstrap_listen_host, cfg.bootstrap_port)
+        self._dp_rank = cfg.dp_rank
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mc-bootstrap-register", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        tries = 0
+        while not self._stop.is_set():
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(5.0)
+                    sock.connect(self._endpoint)
+                    sock.sendall(self._line)
+                    answer = sock.makefile("rb").readline().strip()
+                if answer == b"ok":
+                    logger.info(
+                        "DP rank %d listed by the bootstrap on %s", self._dp_rank, self._where
+                    )
+                    return
+                logger.error("the bootstrap on %s refused DP rank %d: %s", self._where,
+                             self._dp_rank, answer.decode(errors="replace"))  # fmt: skip
+                return
+            except OSError as e:
+                tries += 1
+                if tries == int(30 / _REGISTER_EVERY_S):
+                    logger.warning(
+                        "DP rank %d: no bootstrap service on %s to register with after 30 s "
+                        "(%s); still trying. Does the first local DP rank serve it?",
+                        self._dp_rank,
+                        self._where,
+                        e,
+                    )
+            self._stop.wait(_REGISTER_EVERY_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
 # ---- the process -------------------------------------------------------------------------------
 
 
 def make_app(query: dict):
-    """The aiohttp application: ``GET /query`` answers ``query``; upstream's ``/register`` is
-    refused (our workers are configured, not registered)."""
+    """The aiohttp application: ``GET /query`` answers ``query`` (as it is when asked: other DP
+    ranks register into it); upstream's ``/register`` is refused (our workers are configured,
+    not registered)."""
     from aiohttp import web
 
-    payload = json.dumps(query).encode()
-
     async def get_query(_request: web.Request) -> web.Response:
-        return web.Response(body=payload, content_type="application/json")
+        return web.Response(body=json.dumps(query).encode(), content_type="application/json")
 
     async def register(_request: web.Request) -> web.Response:
         return web.json_response(
@@ -131,15 +196,58 @@ def make_app(query: dict):
     return app
 
 
+def take_entry(query: dict, line: bytes, host: str) -> str:
+    """Adds a DP rank's registered entry (one ``/query`` entry as JSON) to ``query``; "" when
+    taken, else why not. Only new DP ranks, on this host, in upstream's shape."""
+    try:
+        entry = json.loads(line)
+        producers = parse_query(entry)
+    except ValueError as e:  # HandoffError is one
+        return f"malformed entry ({e})"
+    if len(entry) != 1 or any(p.side_channel_host != host for p in producers.values()):
+        return f"one DP rank's entry, with its side channels on {host}, is expected"
+    (dp_rank,) = entry
+    if dp_rank in query:
+        return f"DP rank {dp_rank} is listed already"
+    query.update(entry)
+    logger.info("DP rank %s (engine %s) registered", dp_rank, entry[dp_rank]["engine_id"])
+    return ""
+
+
+def _same_user(writer: asyncio.StreamWriter) -> bool:
+    sock = writer.get_extra_info("socket")
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
 async def _serve(conn: Connection, host: str, port: int, query: dict) -> None:
     from aiohttp import web
 
+    async def on_register(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if not _same_user(writer):
+                writer.write(b"another user's process may not register\n")
+            else:
+                line = await asyncio.wait_for(reader.readline(), 5.0)
+                why = take_entry(query, line[:_MAX_ENTRY_BYTES], host)
+                writer.write((why or "ok").encode() + b"\n")
+            await writer.drain()
+        except (OSError, asyncio.TimeoutError) as e:
+            logger.info("a DP rank's registration broke off: %s", e)
+        finally:
+            writer.close()
+
     runner = web.AppRunner(make_app(query), access_log=None, handle_signals=False)
     await runner.setup()
+    registry = None
     try:
         site = web.TCPSite(runner, host, port, reuse_address=True)
         try:
             await site.start()
+            registry = await asyncio.start_unix_server(
+                on_register, path=register_endpoint(host, port), limit=_MAX_ENTRY_BYTES
+            )
         except OSError as e:
             conn.send(e.strerror or str(e))
             return
@@ -150,6 +258,8 @@ async def _serve(conn: Connection, host: str, port: int, query: dict) -> None:
         loop.add_reader(conn.fileno(), lambda: ended.done() or ended.set_result(None))
         await ended
     finally:
+        if registry is not None:
+            registry.close()
         await runner.cleanup()
 
 

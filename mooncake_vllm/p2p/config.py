@@ -67,6 +67,10 @@ class MooncakeSettings(SharedSettings):
     # (``GET /query``, ``p2p.bootstrap``), bound to this engine's host. Unset:
     # VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998 (as upstream). 0: no bootstrap service.
     bootstrap_port: int | None = Field(None, ge=0, le=65535)
+    # Producer: 'host:port' where the bootstrap service listens, as vLLM's upstream connector
+    # reads it (``get_mooncake_bootstrap_addr``, which Dynamo's prefill worker calls to tell the
+    # decode where to ask); it wins over bootstrap_port and the engine's host.
+    bootstrap_server_address: str | None = None
     # With a metadata store: the OpenAI base URL published for ``proxy_server.py --discover``.
     # Default: the vLLM API server's --host/--port (see ``serving_url``).
     advertise_url: str | None = None
@@ -89,10 +93,11 @@ class MooncakeSettings(SharedSettings):
     # Credentials for the metadata store (etcd, redis, http), read from files or the environment.
     metadata_auth: MetadataAuth = MetadataAuth()
 
-    @field_validator("prefill_url", "decode_url")
+    @field_validator("prefill_url", "decode_url", "bootstrap_server_address")
     @classmethod
-    def _check_url(cls, v: str, info) -> str:
-        _host_port(info.field_name, v)
+    def _check_url(cls, v: str | None, info) -> str | None:
+        if v is not None:
+            _host_port(info.field_name, v)
         return v
 
     @field_validator("advertise_url")
@@ -138,8 +143,15 @@ class ConnectorConfig:
     engine_id: str
     tp_size: int
     host: str
-    base_port: int
+    base_port: int  # this engine's first port: the url's, after the DP ranks before it
     bootstrap_port: int = 0  # 0: none (a consumer, or turned off)
+    bootstrap_host: str = ""  # where it listens: the engine's host unless configured
+    # vLLM's data parallelism (``--data-parallel-size``): one engine core per DP rank, each with
+    # its own connector. On one host the local ranks take consecutive port ranges from the url's
+    # port (``2 * tp_size`` ports each); the first local rank serves the bootstrap, and the
+    # others register with it (``p2p.bootstrap``).
+    dp_rank: int = 0
+    dp_local_rank: int = 0
 
     @property
     def is_producer(self) -> bool:
@@ -154,6 +166,15 @@ class ConnectorConfig:
 
     def side_channel_port(self, tp_rank: int) -> int:
         return self.base_port + 2 * tp_rank + 1
+
+    @property
+    def serves_bootstrap(self) -> bool:
+        """This engine runs the host's bootstrap service (the first local DP rank's does)."""
+        return bool(self.bootstrap_port) and self.dp_local_rank == 0
+
+    @property
+    def bootstrap_listen_host(self) -> str:
+        return self.bootstrap_host or self.host
 
     @property
     def metadata(self) -> MetadataTarget:
@@ -196,12 +217,21 @@ def resolve(
     engine_id: str,
     tp_size: int,
     env: Mapping[str, str] | None = None,
+    *,
+    dp_rank: int = 0,
+    dp_local_rank: int = 0,
 ) -> ConnectorConfig:
+    """``dp_rank``, ``dp_local_rank``: vLLM's data parallel rank of this engine, of all and of
+    those on this host (its ports are the url's after the local ranks before it)."""
     role = check_role(role, "MooncakeConnector")
     own_key = "decode_url" if role == "kv_consumer" else "prefill_url"
     host, port = _host_port(own_key, getattr(settings, own_key))
+    port += 2 * tp_size * dp_local_rank
     if port + 2 * tp_size > 65536:
-        raise ConfigError(f"{own_key}={getattr(settings, own_key)!r}: port too high for tp_size")
+        raise ConfigError(
+            f"{own_key}={getattr(settings, own_key)!r}: port too high for tp_size {tp_size} "
+            f"at local DP rank {dp_local_rank}"
+        )
     p_host, p_port = _host_port("prefill_url", settings.prefill_url)
     d_host, d_port = _host_port("decode_url", settings.decode_url)
     if p_host == d_host and abs(p_port - d_port) < 2 * tp_size:
@@ -217,12 +247,25 @@ def resolve(
         tp_size=tp_size,
         host=settings.local_hostname or host,
         base_port=port,
-        bootstrap_port=bootstrap_port(settings, env) if role != "kv_consumer" else 0,
+        **_bootstrap_address(settings, env, role),
+        dp_rank=dp_rank,
+        dp_local_rank=dp_local_rank,
     )
 
 
 BOOTSTRAP_PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
 DEFAULT_BOOTSTRAP_PORT = 8998  # upstream's
+
+
+def _bootstrap_address(
+    settings: MooncakeSettings, env: Mapping[str, str] | None, role: str
+) -> dict[str, Any]:
+    if role == "kv_consumer":
+        return {"bootstrap_port": 0}
+    if settings.bootstrap_server_address is not None:
+        host, port = _host_port("bootstrap_server_address", settings.bootstrap_server_address)
+        return {"bootstrap_port": port, "bootstrap_host": host}
+    return {"bootstrap_port": bootstrap_port(settings, env)}
 
 
 def bootstrap_port(settings: MooncakeSettings, env: Mapping[str, str] | None = None) -> int:

@@ -78,11 +78,13 @@ class MooncakeConnector(HalvesConnector):
         ktc = vllm_config.kv_transfer_config
         settings = load_settings(ktc.kv_connector_extra_config)
         probe = self._prepare_process(settings)
+        parallel = vllm_config.parallel_config
         self._cfg = resolve(
             settings,
             ktc.kv_role,
             ktc.engine_id or "mooncake",
-            vllm_config.parallel_config.tensor_parallel_size,
+            parallel.tensor_parallel_size,
+            **vllm_glue.data_parallel_ranks(parallel),
         )
         self._scheduler: SchedulerHalf | None = None
         self._worker = None

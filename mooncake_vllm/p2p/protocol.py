@@ -6,11 +6,15 @@ frames are msgpack over ZeroMQ between a consumer worker and the producer worker
 
 from __future__ import annotations
 
+import hashlib
 import re
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
+from mooncake_vllm.core.auth import short_id
 from mooncake_vllm.core.planning import MemSegment
 
 PROTOCOL_VERSION = 1
@@ -45,9 +49,22 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     # Which start of the producer holds the lease: a producer restarted on the same address
     # refuses the handoffs of its previous life by this, not only by their unknown ids.
     producer_incarnation: str = ""
+    # ``prompt_digest`` of the prompt whose KV the lease holds: a consumer takes it only for a
+    # request with the same prompt (a transfer id an orchestrator used for two requests).
+    prompt_digest: str = ""
 
     def to_params(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
+
+
+def prompt_digest(token_ids: Sequence[int] | None) -> str:
+    """What binds a lease to its prompt: a 128-bit BLAKE2b of the prompt's token ids ("" when
+    the prompt has none, e.g. prompt embeddings). Both halves tokenize the same request, so a
+    decode whose prompt differs from the prefill's under one transfer id is told apart before a
+    byte moves (``LeaseTable.acquire``, ``validate_handoff``)."""
+    if not token_ids:
+        return ""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
 class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,17 +97,18 @@ class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _HEX = frozenset("0123456789abcdef")
-# vLLM's upstream orchestrators (its mooncake proxy, llm-d, Dynamo): ``xfer-`` and a random
-# (version 4) UUID in canonical lowercase form, 122 random bits.
+# vLLM's upstream orchestrators: ``xfer-`` and a random (version 4) UUID in canonical lowercase
+# form (its mooncake proxy, llm-d), or the UUID alone (Dynamo's ``str(uuid.uuid4())``); 122
+# random bits.
 _UPSTREAM_ID = re.compile(
-    r"xfer-[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+    r"(xfer-)?[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
 )
 
 
 def is_transfer_id(value: object) -> bool:
     """The only transfer ids a producer takes from a client, so that a lease's name is never
     guessable: 128 random bits in lowercase hex (our proxy's ``--dispatch concurrent``), or
-    upstream's ``xfer-<uuid4>``. The producer also never takes one twice
+    upstream's ``xfer-<uuid4>`` or ``<uuid4>``. The producer also never takes one twice
     (``SchedulerHalf._new_transfer_id``)."""
     if not isinstance(value, str):
         return False
@@ -107,8 +125,8 @@ def parse_pending(params: dict[str, Any]) -> PendingHandoff:
         raise HandoffError(f"malformed pending kv_transfer_params: {e}") from e
     if not is_transfer_id(h.transfer_id):
         raise HandoffError(
-            "a pending handoff's transfer_id must be 32 lowercase hex digits or 'xfer-' and a "
-            "random UUID"
+            "a pending handoff's transfer_id must be 32 lowercase hex digits or a random UUID "
+            "('xfer-' before it or not)"
         )
     if not (h.side_channel_host and h.side_channel_ports):
         raise HandoffError("a pending handoff names the producer's side channel")
@@ -158,6 +176,7 @@ def validate_handoff(
     block_size: int,
     kv_layout: str = "",
     reblock_format: str = "",
+    prompt_digest: str = "",
 ) -> None:
     """Check a handoff against the request and this consumer; raises HandoffError.
 
@@ -178,6 +197,12 @@ def validate_handoff(
         )
     if h.prompt_len != prompt_len:
         raise HandoffError(f"prompt length {prompt_len} differs from the producer's {h.prompt_len}")
+    if h.prompt_digest and prompt_digest and h.prompt_digest != prompt_digest:
+        raise HandoffError(
+            f"transfer_id {short_id(h.transfer_id)} holds another prompt's KV (same length, "
+            "other tokens): was it used for two requests? Choose a new transfer_id for every "
+            "request"
+        )
     if h.block_size < 1:
         raise HandoffError(f"producer block size {h.block_size} must be at least 1")
     if h.block_size != block_size and not (reblock_format and h.kv_format == reblock_format):
@@ -240,6 +265,10 @@ class Acquire(msgspec.Struct, tag=_tag("acquire"), frozen=True):
     # This consumer takes a grant while the prefill still computes (``Granted.ready``; a
     # producer with ``layerwise_handoff``); the rest of the layers come in ``Progress``.
     layers_ok: bool = False
+    # A pending acquire: the digest of the consumer request's prompt (``prompt_digest``). The
+    # producer grants only the lease of that prompt, so a transfer id used for two requests
+    # never serves one the other's KV.
+    prompt_digest: str = ""
 
 
 class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):

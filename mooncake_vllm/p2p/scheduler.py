@@ -37,7 +37,7 @@ from vllm.v1.request import RequestStatus
 from mooncake_vllm.core.auth import host_allowed, short_id
 from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
 from mooncake_vllm.core.planning import REBLOCKABLE
-from mooncake_vllm.p2p.bootstrap import BootstrapService
+from mooncake_vllm.p2p.bootstrap import BootstrapRegistration, BootstrapService, bootstrap_url
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
 from mooncake_vllm.p2p.local_channels import WakeForwarder, wake_endpoint
@@ -46,12 +46,18 @@ from mooncake_vllm.p2p.protocol import (
     HandoffError,
     PendingHandoff,
     is_transfer_id,
+    prompt_digest,
     validate_handoff,
 )
 from mooncake_vllm.p2p.stats import MooncakeStats
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.p2p.upstream import bootstrap_host, parse_consumer_params, producer_params
-from mooncake_vllm.vllm_glue import IDLE_STEP_PAUSE_S, EngineCoreHandle, Probe
+from mooncake_vllm.vllm_glue import (
+    IDLE_STEP_PAUSE_S,
+    EngineCoreHandle,
+    Probe,
+    parent_request_id,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -100,18 +106,21 @@ class SchedulerHalf:
         self._woken = threading.Event()  # a worker or a lease reported since the last rest
         # Producer: leases and side channels, in a process of their own (leases.client).
         self._leases: LeaseService | None = None
-        # Producer: vLLM's upstream bootstrap HTTP service (``GET /query``), beside the leases.
-        self._bootstrap: BootstrapService | None = None
+        # Producer: vLLM's upstream bootstrap HTTP service (``GET /query``), beside the leases;
+        # another local DP rank's registration with it.
+        self._bootstrap: BootstrapService | BootstrapRegistration | None = None
         if cfg.is_producer:
             self._leases = LeaseService(
                 cfg, wake_endpoint(cfg.host, cfg.base_port), kv_replicated=kv_replicated
             )
-            if cfg.bootstrap_port:
+            if cfg.serves_bootstrap:
                 try:
                     self._bootstrap = BootstrapService(cfg)
                 except BaseException:
                     self._leases.close()
                     raise
+            elif cfg.bootstrap_port:
+                self._bootstrap = BootstrapRegistration(cfg)
         self._waker: WakeForwarder | None = None
         if self._engine_core is not None:
             try:
@@ -120,8 +129,9 @@ class SchedulerHalf:
                 )
             except zmq.ZMQError as e:  # cannot rest without it: pause idle steps instead
                 logger.warning("wake-up socket unavailable (%s): idle steps are paused", e)
-        # Consumer: one pull per transfer id (bounded), shared by every request that carries it
-        # (vLLM's n > 1 children; a replayed handoff). See ``get_num_new_matched_tokens``.
+        # Consumer: one pull per transfer id (bounded), shared by vLLM's n > 1 children of one
+        # request; any other request with a known id is refused. See
+        # ``get_num_new_matched_tokens``.
         self._shared: OrderedDict[str, SharedPull] = OrderedDict()
         self._pulling: dict[str, str] = {}  # puller's req id -> its transfer id, until settled
         self._following: set[str] = set()  # requests told to ask again (a pull is in flight)
@@ -149,13 +159,17 @@ class SchedulerHalf:
         ``kv_transfer_params``; the first to get here pulls, and the others follow: they wait
         (None: vLLM asks again next step) while the pull is in flight, then take what the
         local prefix cache holds (the pulled blocks, cached when the first was promoted) and
-        compute the rest; if the pull failed they fail with it, through vLLM's policy."""
+        compute the rest; if the pull failed they fail with it, through vLLM's policy.
+
+        Any other request that carries a transfer id this consumer knows (an orchestrator that
+        sent one id with two requests, at once or one after the other) is claimed and refused
+        (``_check``): vLLM's policy decides, and it never touches the lease."""
         params = request.kv_transfer_params
         if not (self._cfg.is_consumer and params and params.get("do_remote_prefill")):
             return 0, False
         req_id = request.request_id
         shared = self._shared.get(params.get("transfer_id"))  # type: ignore[arg-type]
-        if shared is not None and shared.puller != req_id:
+        if shared is not None and shared.puller != req_id and shared.shared_by(request):
             if shared.state == "pulling":
                 self._following.add(req_id)
                 return None, False
@@ -182,7 +196,8 @@ class SchedulerHalf:
         if num_external_tokens == 0:
             # The local prefix cache holds the whole prompt: nothing to pull, free the lease.
             if handoff is not None:
-                self._loads[req_id] = LoadSpec(req_id, handoff, [], [], error)
+                checks = self._checks(request)
+                self._loads[req_id] = LoadSpec(req_id, handoff, [], [], error, checks=checks)
             self._settle_shared(req_id, failed=False)  # vLLM waits for no outcome
             return
         local_block_ids = blocks.get_unhashed_block_ids()
@@ -244,6 +259,7 @@ class SchedulerHalf:
             "block_size": self._block_size,
             "kv_layout": self._kv_layout,
             "reblock_format": self._reblock_format,
+            "prompt_digest": prompt_digest(request.prompt_token_ids),
         }
 
     def _check(
@@ -268,11 +284,17 @@ class SchedulerHalf:
             )
         shared = self._shared.get(handoff.transfer_id)
         if shared is not None and shared.puller != request.request_id:
-            # A follower of a pull that failed (``get_num_new_matched_tokens``). Do not touch
-            # the producer's lease: it belongs to the puller.
+            # Do not touch the producer's lease: it belongs to the puller.
             tid = short_id(handoff.transfer_id)
+            if not shared.shared_by(request):
+                return None, (
+                    f"transfer_id {tid} was used before on this consumer by request "
+                    f"{shared.puller} ({'still pulling' if shared.state == 'pulling' else 'ended'})"
+                    "; refused (choose a new transfer_id for every request)"
+                )
+            # A follower of a pull that failed (``get_num_new_matched_tokens``).
             return None, f"the pull of transfer {tid} this request shares ({shared.puller}) failed"
-        self._shared[handoff.transfer_id] = SharedPull(request.request_id)
+        self._shared[handoff.transfer_id] = SharedPull.of(request)
         self._pulling[request.request_id] = handoff.transfer_id
         while len(self._shared) > self._remember_ids:
             self._shared.popitem(last=False)
@@ -399,11 +421,13 @@ class SchedulerHalf:
             kv_layout=self._kv_layout,
             kv_format=self._kv_format,
             producer_incarnation=self._leases.incarnation,
+            prompt_digest=prompt_digest(request.prompt_token_ids),
         )
 
     def _answer(self, handoff: Handoff) -> dict[str, Any]:
         """``kv_transfer_params`` for the prefill's response, usable in both conventions."""
-        return producer_params(handoff, self._bootstrap.url if self._bootstrap else "")
+        url = bootstrap_url(self._cfg.bootstrap_listen_host, self._cfg.bootstrap_port)
+        return producer_params(handoff, url if self._cfg.bootstrap_port else "")
 
     def _new_transfer_id(self, req_id: str, asked: object) -> str | None:
         """The id that names a lease on the side channel, random so nobody can guess it: the
@@ -515,4 +539,21 @@ class SharedPull:
     """One transfer's pull, as the requests carrying its id see it."""
 
     puller: str  # the request that pulls
+    family: str | None  # its parent, if it is one of vLLM's n > 1 children
+    prompt_digest: str
     state: Literal["pulling", "done", "failed"] = "pulling"
+
+    @classmethod
+    def of(cls, puller: Request) -> SharedPull:
+        req_id = puller.request_id
+        return cls(req_id, parent_request_id(req_id), prompt_digest(puller.prompt_token_ids))
+
+    def shared_by(self, request: Request) -> bool:
+        """Whether ``request`` is a sibling of the puller (vLLM's n > 1 children of one
+        request, one prompt): it follows this pull. Anything else is refused."""
+        family = parent_request_id(request.request_id)
+        return (
+            family is not None
+            and family == self.family
+            and prompt_digest(request.prompt_token_ids) == self.prompt_digest
+        )

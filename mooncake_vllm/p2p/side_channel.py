@@ -256,7 +256,11 @@ class SideChannelServer:
         """The table's answer to ``frame``; an unknown id only once the holds the engine core
         has sent are taken in (``on_unknown``)."""
         args = (frame.transfer_id, frame.remote_block_ids, frame.owner, frame.readers)
-        kwargs = {"pending": pending, "layers_ok": frame.layers_ok}
+        kwargs = {
+            "pending": pending,
+            "layers_ok": frame.layers_ok,
+            "prompt_digest": frame.prompt_digest,
+        }
         got = self._leases.acquire(*args, **kwargs)
         if got is None:
             self._on_unknown()

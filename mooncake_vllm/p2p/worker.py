@@ -470,7 +470,8 @@ class WorkerHalf:
         h = load.handoff
         if not load.local_block_ids:  # vLLM does not wait on this one: just free the lease
             if h is not None:
-                self._give_back(h, load.error is None, deadline - start)
+                digest = load.checks.get("prompt_digest", "")
+                self._give_back(h, load.error is None, deadline - start, digest)
             return PullOutcome(load.req_id, ok=True)
         # Acquired leases, by producer side channel, with the owner token that releases each.
         acquired: dict[str, bytes] = {}
@@ -496,6 +497,7 @@ class WorkerHalf:
                         readers,
                         deadline - asked_at,
                         self._cancels.get(load.req_id),
+                        load.checks.get("prompt_digest", ""),
                     )
                 except SideChannelError:
                     if pending:  # the wait still stands at the producer: the release withdraws it
@@ -775,13 +777,23 @@ class WorkerHalf:
         readers: int,
         timeout_s: float,
         cancelled: threading.Event | None = None,
+        prompt_digest: str = "",
     ) -> Granted | Refused:
         if isinstance(h, PendingHandoff):
             # No blocks or incarnation yet: the producer answers once the prefill's lease exists
             # (with ``layerwise_handoff``, while it still computes), and refuses a little before
             # this side gives up, so the reason arrives.
             wait_ms = int(max(0.1, timeout_s - _PENDING_MARGIN_S) * 1000)
-            frame = Acquire(h.transfer_id, [], owner, readers, "", wait_ms=wait_ms, layers_ok=True)
+            frame = Acquire(
+                h.transfer_id,
+                [],
+                owner,
+                readers,
+                "",
+                wait_ms=wait_ms,
+                layers_ok=True,
+                prompt_digest=prompt_digest,
+            )
         else:
             # The acquire names all the hold's blocks, whatever this consumer reads of them. Its
             # grant may come while the prefill computes: a handoff granted by the first of
@@ -822,10 +834,13 @@ class WorkerHalf:
             raise PullFailed(f"handoff rejected: {e}") from e
         return h
 
-    def _give_back(self, h: Handoff | PendingHandoff, ok: bool, wait_s: float = 0.0) -> None:
+    def _give_back(
+        self, h: Handoff | PendingHandoff, ok: bool, wait_s: float = 0.0, prompt_digest: str = ""
+    ) -> None:
         """Ends the leases of a handoff this consumer will not read (its prompt is cached here,
         or the handoff was rejected): acquire, then release, since only an owner may release. A
-        pending handoff's acquire waits up to ``wait_s`` for its prefill."""
+        pending handoff's acquire waits up to ``wait_s`` for its prefill (of ``prompt_digest``'s
+        prompt: another prompt's lease is not this request's to end)."""
         try:
             sources = self._sources(h)
         except Exception as e:  # a layout we cannot serve: the lease TTL frees the blocks
@@ -836,7 +851,9 @@ class WorkerHalf:
             try:
                 address = self._producer_address(h, rank)
                 timeout_s = wait_s if isinstance(h, PendingHandoff) else _RELEASE_TIMEOUT_S
-                reply = self._acquire(address, h, owner, source.readers, timeout_s)
+                reply = self._acquire(
+                    address, h, owner, source.readers, timeout_s, prompt_digest=prompt_digest
+                )
                 if isinstance(reply, Granted):
                     self._release(address, h.transfer_id, owner, ok)
             except Exception as e:  # the producer's lease TTL frees the blocks anyway

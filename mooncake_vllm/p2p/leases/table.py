@@ -96,6 +96,12 @@ class Lease:
         return len(self.released_by) >= (len(self.owners) if self.aborted else self.readers)
 
 
+def _same_prompt(handoff: Any, prompt_digest: str) -> bool:
+    """False only when both the lease's handoff and the acquire name a prompt, and they differ."""
+    held = getattr(handoff, "prompt_digest", "")
+    return not (held and prompt_digest) or held == prompt_digest
+
+
 class NotOwner(Exception):
     """A release from a peer that did not acquire the lease: ignored, and counted."""
 
@@ -228,13 +234,15 @@ class LeaseTable:
         *,
         pending: bool = False,
         layers_ok: bool = False,
+        prompt_digest: str = "",
     ) -> Lease | str | object | None:
         """The lease, now PULLING; or a refusal reason; or None if the id is unknown; or
         ``NOT_YET`` for an acquire that must wait for the prefill to finish (a computing lease,
         and the acquire does not take layers as they come: ``layers_ok``; a consumer reading
         several producer ranks acquires the later ones with the handoff the first granted). A
         ``pending`` acquire (a pending handoff's: the consumer knows the id, not the blocks)
-        names no blocks."""
+        names no blocks; with ``prompt_digest`` it is granted only the lease of that prompt (an
+        orchestrator may send one transfer id with two requests)."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
@@ -246,6 +254,11 @@ class LeaseTable:
                 return NOT_YET
             if pending and lease.handoff is None:
                 return f"transfer {short_id(transfer_id)} cannot be acquired pending"
+            if pending and not _same_prompt(lease.handoff, prompt_digest):
+                return (
+                    f"transfer_id {short_id(transfer_id)} holds another prompt's KV: it was "
+                    "used for two requests (choose a new transfer_id for every request)"
+                )
             if not pending and list(block_ids) != lease.block_ids:
                 return f"transfer {short_id(transfer_id)}: the blocks are not the lease's"
             if not 1 <= readers <= lease.max_readers:
