@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import signal
 import sys
 import threading
 import types
@@ -349,3 +350,50 @@ def test_the_cuda_extras_admit_exactly_the_tested_vllms():
             version = f"0.{minor}.0"
             admitted = vllm.specifier.contains(version)
             assert admitted == vllm_glue.is_tested(version), (extra, version)
+
+
+_WORKER_SCRIPT = """
+import os, signal, sys, time
+from mooncake_vllm import vllm_glue
+
+class WorkerProc:  # named as vLLM's, so its handler's qualified name is vLLM's
+    @staticmethod
+    def worker_main():
+        def signal_handler(signum, frame):
+            raise SystemExit(7)
+
+        signal.signal(signal.SIGTERM, signal_handler)
+        signal.signal(signal.SIGINT, signal_handler)
+        print(vllm_glue.outlive_group_signal(), flush=True)
+        os.kill(os.getpid(), signal.SIG%s)  # the group's signal: logged, ignored
+        time.sleep(0.2)
+        print("alive", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # the executor's, after its grace: vLLM's handler
+        time.sleep(5)
+        print("not stopped", flush=True)
+
+WorkerProc.worker_main()
+"""
+
+
+@pytest.mark.parametrize("first", ["TERM", "INT"])
+def test_a_workers_first_signal_is_outlived_and_the_second_is_vllms(first):
+    """vLLM's mp worker exits on the first SIGTERM/SIGINT; a producer's worker wrapped by
+    ``outlive_group_signal`` keeps serving through a group signal and exits on the next."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER_SCRIPT % first],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.split() == ["True", "alive"], done.stdout + done.stderr
+    assert done.returncode == 7, done.stderr
+    assert "keeps serving while the engine core drains" in done.stderr
+
+
+def test_outside_a_vllm_worker_the_signal_handlers_are_left_alone():
+    before = signal.getsignal(signal.SIGTERM)
+    assert vllm_glue.outlive_group_signal() is False
+    assert signal.getsignal(signal.SIGTERM) is before
