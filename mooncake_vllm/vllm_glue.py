@@ -299,6 +299,11 @@ def probe_files(files: VllmFiles, cpu_platform: bool = True) -> Probe:
         src = files.source("vllm.v1.executor.multiproc_executor", "WorkerProc.worker_main")
         needed = ("def signal_handler", "raise SystemExit", "death_pipe", "signal.SIGTERM")
         missing = [n for n in needed if n not in src]
+        module = "vllm.v1.executor.multiproc_executor"
+        if f"name='{_DEATH_PIPE_MONITOR}'" not in files.source(
+            module, "WorkerProc.monitor_death_pipe"
+        ):
+            missing.append(f"a thread named {_DEATH_PIPE_MONITOR}")
         return f"WorkerProc.worker_main lacks {missing}" if missing else None
 
     check("wakeup", wakeup)
@@ -493,14 +498,22 @@ def shorten_gil_switch_interval(interval_s: float | None) -> None:
     )
 
 
-# The qualified name of the handler vLLM's multiprocessing executor installs in a worker.
+# The qualified name of the handler vLLM's multiprocessing executor installs in a worker, and
+# the worker's thread that waits for the engine core to close the death pipe (it ends then).
 _WORKER_SIGNAL_HANDLER = "WorkerProc.worker_main.<locals>.signal_handler"
+_DEATH_PIPE_MONITOR = "DeathPipeMonitor"
+
+
+def _engine_core_serving() -> bool:
+    """In a worker: whether the engine core has not begun to end it (its death pipe is open)."""
+    return any(t.name == _DEATH_PIPE_MONITOR for t in threading.enumerate())
 
 
 def outlive_group_signal() -> bool:
-    """In a worker process of vLLM's multiprocessing executor: the first SIGTERM or SIGINT is
-    logged and ignored, a second one runs vLLM's handler (which exits the worker). Returns
-    whether the handlers were wrapped (not in another process kind, or off the main thread).
+    """In a worker process of vLLM's multiprocessing executor: the first SIGTERM or SIGINT while
+    the engine core still serves (it has not closed the worker's death pipe) is logged and
+    ignored; any other runs vLLM's handler (which exits the worker). Returns whether the
+    handlers were wrapped (not in another process kind, or off the main thread).
 
     Why: a signal to the whole process group (systemd's ``KillMode=control-group``, a terminal's
     Ctrl-C) reaches the API server, the engine core and the worker at once. The first two
@@ -509,9 +522,9 @@ def outlive_group_signal() -> bool:
     loses its worker and every request in it ends with EngineDeadError. The worker does not
     need the signal to stop: the executor ends it when the engine core shuts down (it closes
     the worker's death pipe, which a worker thread waits on; a dead engine core closes it too),
-    and a worker still alive ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` later gets SIGTERM (then
-    the second signal: vLLM's handler) and SIGKILL 4 s after. One cost: a worker that ignores
-    the death pipe and got no group signal first is SIGKILLed without its SystemExit."""
+    and a worker still alive ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` later gets SIGTERM: the
+    death pipe is closed by then, so that one runs vLLM's handler as before. The engine core's
+    lease server holds through the same signal (``p2p.leases.process``)."""
     if threading.current_thread() is not threading.main_thread():
         return False
     if _checked is not None and not _checked.ok("worker_signal"):
@@ -522,7 +535,7 @@ def outlive_group_signal() -> bool:
     seen: list[int] = []
 
     def hold(signum: int, frame: Any) -> None:
-        if seen:
+        if seen or not _engine_core_serving():
             original(signum, frame)  # vLLM's: SystemExit, once
             return
         seen.append(signum)

@@ -353,8 +353,12 @@ def test_the_cuda_extras_admit_exactly_the_tested_vllms():
 
 
 _WORKER_SCRIPT = """
-import os, signal, sys, time
+import os, signal, sys, threading, time
 from mooncake_vllm import vllm_glue
+
+# vLLM's thread waiting on the death pipe: while it runs, the engine core serves.
+pipe_open = threading.Event()
+threading.Thread(target=pipe_open.wait, name="DeathPipeMonitor", daemon=True).start()
 
 class WorkerProc:  # named as vLLM's, so its handler's qualified name is vLLM's
     @staticmethod
@@ -368,6 +372,8 @@ class WorkerProc:  # named as vLLM's, so its handler's qualified name is vLLM's
         os.kill(os.getpid(), signal.SIG%s)  # the group's signal: logged, ignored
         time.sleep(0.2)
         print("alive", flush=True)
+        pipe_open.set()  # the engine core closed the death pipe
+        time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGTERM)  # the executor's, after its grace: vLLM's handler
         time.sleep(5)
         print("not stopped", flush=True)
@@ -391,6 +397,24 @@ def test_a_workers_first_signal_is_outlived_and_the_second_is_vllms(first):
     assert done.stdout.split() == ["True", "alive"], done.stdout + done.stderr
     assert done.returncode == 7, done.stderr
     assert "keeps serving while the engine core drains" in done.stderr
+
+
+def test_a_workers_signal_once_the_engine_core_ends_it_is_vllms():
+    """No group signal before: the executor's SIGTERM after its grace (the death pipe closed)
+    exits the worker through vLLM's handler at once, as without the wrapper."""
+    import subprocess
+
+    script = _WORKER_SCRIPT.replace('print("alive", flush=True)', "")
+    script = script.replace(
+        "os.kill(os.getpid(), signal.SIG%s)", "pipe_open.set(); time.sleep(0.2)"
+    )
+    script = script.replace("signal.SIG%s", "signal.SIGTERM")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == ["True"], done.stdout + done.stderr
+    assert done.returncode == 7, done.stderr
+    assert "keeps serving" not in done.stderr
 
 
 def test_outside_a_vllm_worker_the_signal_handlers_are_left_alone():
