@@ -17,8 +17,8 @@ prefill or decode answers 4xx/5xx       that status, with the backend's error bo
 a backend refuses/resets the connection the backend is ejected; 502 (the prefill leg is retried
                                         once on another prefill first, the decode leg only
                                         when the connection was never opened)
-no prefill takes the leg (none healthy,  the decode gets a plain request and computes the
-all draining, down, or dropping it)     prompt itself (``dispatched_total{how="local"}``)
+no prefill takes the leg (none up, all  the decode gets a plain request and computes the
+draining or dropping it)                prompt itself (``dispatched_total{how="local"}``)
 a decode's KV load failed before a      both legs are sent again, once (``how="reloaded"``)
 token (its prefill went away)
 no healthy decode                       503 naming the pool
