@@ -3,7 +3,7 @@ VENV ?= $(or $(MOONCAKE_VLLM_VENV),$(HOME)/.cache/mooncake-vllm/venv)
 PY := $(VENV)/bin/python
 export MOONCAKE_VLLM_VENV := $(VENV)
 
-.PHONY: setup model test test-unit demo demo-pool lint format bench
+.PHONY: setup model test test-unit test-drain demo demo-pool lint format bench
 
 setup:
 	@bash scripts/setup.sh
@@ -16,6 +16,11 @@ test: setup
 
 test-unit: setup
 	$(PY) -m pytest -v -m "not servers" $(PYTEST_ARGS)
+
+# A prefill drained under load by SIGTERM to its API server and to its process group; three
+# vLLM starts, so not in `make test` (tests/test_drain_e2e.py).
+test-drain: setup
+	MOONCAKE_VLLM_DRAIN_E2E=1 $(PY) -m pytest -v -s tests/test_drain_e2e.py $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m harness.demo

@@ -14,6 +14,9 @@ things that API does not offer are done here, and only here:
 - ``kv_format``: which kernels vLLM's CPU attention picks (its private ``_get_attn_isa``), which
   decides how a block keeps its tokens (``core.reblock``).
 - vLLM 0.33's engine-core watchdog, paused while an engine rests (``_watchdog_paused``).
+- ``outlive_group_signal``: the signal handler vLLM's multiprocessing executor gives a worker
+  process (``WorkerProc.worker_main``), wrapped so that a producer's worker outlives a SIGTERM or
+  SIGINT sent to the whole process group while its engine core drains.
 
 The probes read vLLM's sources as files (``VllmFiles``, ``probe_files``), never import them, so
 the contract test runs them on a release that cannot be installed here (vLLM 0.33's CUDA wheel).
@@ -33,7 +36,9 @@ import importlib.metadata
 import importlib.util
 import logging
 import queue
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -295,6 +300,17 @@ def probe_files(files: VllmFiles, cpu_platform: bool = True) -> Probe:
         src = files.source("vllm.v1.engine.parallel_sampling", "ParentRequest.get_child_info")
         return None if "f'{index}_{self.request_id}'" in src else "n > 1 children named otherwise"
 
+    def worker_signal() -> str | None:
+        src = files.source("vllm.v1.executor.multiproc_executor", "WorkerProc.worker_main")
+        needed = ("def signal_handler", "raise SystemExit", "death_pipe", "signal.SIGTERM")
+        missing = [n for n in needed if n not in src]
+        module = "vllm.v1.executor.multiproc_executor"
+        if f"name='{_DEATH_PIPE_MONITOR}'" not in files.source(
+            module, "WorkerProc.monitor_death_pipe"
+        ):
+            missing.append(f"a thread named {_DEATH_PIPE_MONITOR}")
+        return f"WorkerProc.worker_main lacks {missing}" if missing else None
+
     check("wakeup", wakeup)
     check("engine_core", engine_core)
     check("scheduler_queues", scheduler)
@@ -305,6 +321,7 @@ def probe_files(files: VllmFiles, cpu_platform: bool = True) -> Probe:
     check("cpu_kv_format", cpu_kv_format)
     check("watchdog", watchdog)
     check("child_request_ids", child_ids)
+    check("worker_signal", worker_signal)
     return found
 
 
@@ -507,6 +524,59 @@ def shorten_gil_switch_interval(interval_s: float | None) -> None:
     logger.info(
         "GIL switch interval in this process: %.2f ms (gil_switch_interval_s)", interval_s * 1000
     )
+
+
+# The qualified name of the handler vLLM's multiprocessing executor installs in a worker, and
+# the worker's thread that waits for the engine core to close the death pipe (it ends then).
+_WORKER_SIGNAL_HANDLER = "WorkerProc.worker_main.<locals>.signal_handler"
+_DEATH_PIPE_MONITOR = "DeathPipeMonitor"
+
+
+def _engine_core_serving() -> bool:
+    """In a worker: whether the engine core has not begun to end it (its death pipe is open)."""
+    return any(t.name == _DEATH_PIPE_MONITOR for t in threading.enumerate())
+
+
+def outlive_group_signal() -> bool:
+    """In a worker process of vLLM's multiprocessing executor: the first SIGTERM or SIGINT while
+    the engine core still serves (it has not closed the worker's death pipe) is logged and
+    ignored; any other runs vLLM's handler (which exits the worker). Returns whether the
+    handlers were wrapped (not in another process kind, or off the main thread).
+
+    Why: a signal to the whole process group (systemd's ``KillMode=control-group``, a terminal's
+    Ctrl-C) reaches the API server, the engine core and the worker at once. The first two
+    drain under ``--shutdown-timeout`` (finish running requests, keep a prefill's leases until
+    decodes pulled them); vLLM's worker handler raises SystemExit at once, so the engine core
+    loses its worker and every request in it ends with EngineDeadError. The worker does not
+    need the signal to stop: the executor ends it when the engine core shuts down (it closes
+    the worker's death pipe, which a worker thread waits on; a dead engine core closes it too),
+    and a worker still alive ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` later gets SIGTERM: the
+    death pipe is closed by then, so that one runs vLLM's handler as before. The engine core's
+    lease server holds through the same signal (``p2p.leases.process``)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _checked is not None and not _checked.ok("worker_signal"):
+        return False
+    original = signal.getsignal(signal.SIGTERM)
+    if getattr(original, "__qualname__", "") != _WORKER_SIGNAL_HANDLER:
+        return False  # not vLLM's mp worker (uni executor, engine core, our own tests)
+    seen: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if seen or not _engine_core_serving():
+            original(signum, frame)  # vLLM's: SystemExit, once
+            return
+        seen.append(signum)
+        logger.warning(
+            "worker got %s: it keeps serving while the engine core drains "
+            "(--shutdown-timeout), and exits when the engine core ends it; a second signal "
+            "stops it now",
+            signal.Signals(signum).name,
+        )
+
+    signal.signal(signal.SIGTERM, hold)
+    signal.signal(signal.SIGINT, hold)
+    return True
 
 
 def register_names(ours: dict[str, tuple[str, str, str]], keep_builtin: bool) -> bool:

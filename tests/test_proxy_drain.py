@@ -66,6 +66,12 @@ def test_a_refusal_is_every_choice_aborted_without_output(answer, is_refusal):
     assert drain.refusal(200, json.dumps(answer).encode()) == expected
 
 
+# vLLM's answer to a request whose KV load failed under kv_load_failure_policy "fail"
+# (test_connector_e2e.FAILED_LOAD_ERROR): HTTP 500, or a stream's only event.
+FAILED_LOAD = {
+    "error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+              "code": 500}
+}  # fmt: skip
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 ENGINE_DEAD = {
     "error": {"message": ENGINE_DEAD_MESSAGE, "type": "InternalServerError", "code": 500}
@@ -185,6 +191,9 @@ class Fake:
     role: str
     refuses: str | None = None
     seen: list[dict[str, Any]] = field(default_factory=list)
+    # A decode: this many requests carrying a handoff get vLLM's answer to a failed KV load
+    # under kv_load_failure_policy "fail" (its prefill is gone).
+    failed_loads: int = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -201,6 +210,12 @@ class Fake:
         stream = body.get("stream")
         if self.refuses == "engine_dead":
             return web.json_response(ENGINE_DEAD, status=500)
+        if self.failed_loads and "kv_transfer_params" in body:
+            self.failed_loads -= 1
+            if stream:
+                return web.Response(body=_sse(FAILED_LOAD, b"[DONE]"),
+                                    content_type="text/event-stream")  # fmt: skip
+            return web.json_response(FAILED_LOAD, status=500)
         if self.refuses == "abort":
             if stream:
                 return web.Response(body=_sse(b"[DONE]"), content_type="text/event-stream")
@@ -274,6 +289,87 @@ async def test_a_draining_backend_is_taken_out_at_once_and_no_request_fails(role
         if s.name == "mooncake_proxy_backend_errors_total"
     }
     assert refusals == {(role, urls[role][0], "draining"): 1.0}
+
+
+async def _metric(http: aiohttp.ClientSession, proxy: str, name: str, **labels: str) -> float:
+    async with http.get(proxy + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+@pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
+@pytest.mark.parametrize("refuses", ["abort", "engine_dead"])
+async def test_with_its_only_prefill_draining_the_decode_computes_the_prompt(
+    refuses, dispatch, caplog
+):
+    """One prefill, shutting down: its refusal takes it out, and every request, streamed or not,
+    goes to the decode as a plain request (no handoff), counted once each as local and logged
+    once for the episode; the first answer of a prefill back in rotation ends the episode."""
+    prefill, decode = Fake("prefill", refuses), Fake("decode")
+    async with contextlib.AsyncExitStack() as stack:
+        p_url = await stack.enter_async_context(_serving(prefill.app()))
+        d_url = await stack.enter_async_context(_serving(decode.app()))
+        start_proxy = await stack.enter_async_context(proxies())
+        proxy = await start_proxy(
+            prefill=[p_url], decode=[d_url], health_interval_s=0.2, dispatch=dispatch
+        )
+        async with aiohttp.ClientSession() as http:
+            answers = [await _complete(http, proxy, stream=i % 2 == 1) for i in range(6)]
+            local = await _metric(http, proxy, "mooncake_proxy_dispatched_total", how="local")
+    assert all("hello" in a or "tok" in a for a in answers)
+    assert len(prefill.seen) == 1, "the draining prefill got a request after it refused one"
+    assert len(decode.seen) == 6
+    assert all("kv_transfer_params" not in body for body in decode.seen)
+    assert all(body["max_tokens"] == 4 for body in decode.seen)  # the client's, not the leg's
+    assert local == 6
+    episodes = [r for r in caplog.records if "no prefill can take requests" in r.getMessage()]
+    assert len(episodes) == 1
+
+
+async def test_local_episodes_are_logged_once_each_and_end_with_a_prefill_answer(caplog):
+    backends = _backends()
+    ctx = _ctx()
+    for _ in range(3):
+        backends.served_locally(ctx, "no healthy prefill backend (1 configured)")
+    backends.prefill_served("http://p:1")
+    backends.prefill_served("http://p:1")  # no episode running: nothing logged
+    backends.served_locally(ctx, "no healthy prefill backend (1 configured)")
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("no prefill can take requests" in m for m in messages) == 2
+    assert [m for m in messages if "serves again" in m] == [
+        "prefill http://p:1 serves again: 3 requests were computed by decodes meanwhile"
+    ]
+
+
+@pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failed_load_before_a_token_is_sent_again(stream, dispatch):
+    """The decode's load failed (policy "fail": the prefill that held the KV went away): the
+    client never sees it; both legs go again, once, and the answer is the second decode's."""
+    prefill, decode = Fake("prefill"), Fake("decode", failed_loads=1)
+    async with contextlib.AsyncExitStack() as stack:
+        p_url = await stack.enter_async_context(_serving(prefill.app()))
+        d_url = await stack.enter_async_context(_serving(decode.app()))
+        start_proxy = await stack.enter_async_context(proxies())
+        proxy = await start_proxy(prefill=[p_url], decode=[d_url], dispatch=dispatch)
+        async with aiohttp.ClientSession() as http:
+            answer = await _complete(http, proxy, stream=stream)
+            reloaded = await _metric(http, proxy, "mooncake_proxy_dispatched_total", how="reloaded")
+            # Twice in a row: the second failure reaches the client as vLLM answered it.
+            decode.failed_loads = 2
+            body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream}
+            async with http.post(proxy + "/v1/completions", json=body) as resp:
+                status, text = resp.status, await resp.text()
+    assert "hello" in answer or "tok" in answer
+    assert reloaded == 1
+    assert len(prefill.seen) >= 2 and len(decode.seen) >= 2
+    assert "Internal server error" in text
+    assert status == (200 if stream else 500)
 
 
 # ---- calls waiting on a backend that has left ---------------------------------------------------

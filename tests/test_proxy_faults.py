@@ -298,23 +298,42 @@ async def test_models_come_from_a_decode(prefill, decode, start_proxy, client):
 # ---- backends that fail -------------------------------------------------------------------------
 
 
-async def test_prefill_down_gives_an_error_naming_the_pool_and_health_503(
-    decode, start_proxy, client
+@pytest.mark.parametrize("stream", [False, True])
+async def test_with_no_prefill_the_decode_computes_the_prompt_and_health_says_degraded(
+    decode, start_proxy, client, stream
 ):
     dead_prefill = f"http://127.0.0.1:{free_port()}"
     proxy = await start_proxy(prefill=[dead_prefill], decode=[decode.url])
-    async with client.post(proxy + "/v1/completions", json={"prompt": "x"}) as resp:
-        assert resp.status in (502, 503)
-        assert "prefill" in (await resp.json())["error"]["message"]
-    assert decode.generation_requests() == []
+    for _ in range(3):  # the first finds it down, the others find the pool empty
+        body = {"prompt": "x", "stream": stream, "kv_transfer_params": CLIENT_FORGED_HANDOFF}
+        async with client.post(proxy + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            assert "tok" in await resp.text() if stream else "hello" in await resp.text()
+    seen = decode.generation_requests()
+    assert len(seen) == 3
+    # A plain request: no handoff (the client's is never passed on), the client's max_tokens.
+    assert all("kv_transfer_params" not in s.body for s in seen)
+    sample = 'mooncake_proxy_dispatched_total{how="local"}'
+    assert await metric_value(client, proxy, sample) == 3.0
 
     async with client.get(proxy + "/health") as resp:
-        assert resp.status == 503
+        assert resp.status == 200
         report = await resp.json()
-    assert report["status"] == "unavailable"
+    assert report["status"] == "degraded"
     assert report["prefill"][0]["url"] == dead_prefill
     assert report["prefill"][0]["healthy"] is False
     assert report["decode"][0]["healthy"] is True
+
+
+async def test_with_no_backend_at_all_health_is_503_and_requests_fail(start_proxy, client):
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    proxy = await start_proxy(prefill=[dead[0]], decode=[dead[1]])
+    async with client.post(proxy + "/v1/completions", json={"prompt": "x"}) as resp:
+        assert resp.status in (502, 503)  # 503 once the first probe has ejected it
+        assert "decode" in (await resp.json())["error"]["message"]
+    async with client.get(proxy + "/health") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["status"] == "unavailable"
 
 
 async def test_health_is_ok_when_both_pools_are_up(prefill, decode, start_proxy, client):
@@ -512,13 +531,14 @@ async def test_an_ejected_prefill_comes_back_when_it_answers_again(
     proxy = await start_proxy(prefill=[prefill.url], decode=[decode.url])
     await prefill.stop()
     async with client.post(proxy + "/v1/completions", json={"prompt": "x"}) as resp:
-        assert resp.status == 502
+        assert resp.status == 200  # the decode computed it
+    assert "kv_transfer_params" not in decode.generation_requests()[-1].body
 
     revived = await fakes("prefill", handoff=HANDOFF, port=prefill.port)
 
     async def healthy():
         async with client.get(proxy + "/health") as resp:
-            return resp.status == 200
+            return (await resp.json())["status"] == "ok"
 
     await eventually(healthy, timeout_s=4)  # first re-probe is 1 s after the ejection
     async with client.post(proxy + "/v1/completions", json={"prompt": "x"}) as resp:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -142,6 +144,23 @@ def test_the_lease_server_ends_with_its_engine_core():
     while time.monotonic() < deadline and _alive(child):
         time.sleep(0.05)
     assert not _alive(child), "the lease server outlived its engine core"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_group_signal_leaves_the_lease_server_serving_its_leases(producer, signum):
+    """A signal to vLLM's process group reaches the lease server while its engine core drains:
+    the leases it holds are still granted and released; the engine core ends it (close)."""
+    service, address, client = producer
+    assert service.hold("req-1", "t-1", [3, 4])
+    os.kill(service._proc.pid, signum)
+    time.sleep(0.3)
+    assert service._proc.poll() is None, "the lease server exited on a group signal"
+    reply = client.call(address, acquire(service, "t-1", [3, 4], OWNER), timeout_s=5)
+    assert isinstance(reply, wire.Granted)
+    assert client.call(address, wire.Release("t-1", True, OWNER), timeout_s=5) == wire.Released(
+        "t-1"
+    )
+    assert service.take_finished() == {"req-1"}
 
 
 def _alive(pid: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import signal
 import sys
 import threading
 import types
@@ -364,3 +365,74 @@ def test_n_children_are_told_apart_from_other_requests_by_their_parent():
     assert {vllm_glue.parent_request_id(i) for i in ids} == {"cmpl-1-0-1a2b3c4d"}
     assert vllm_glue.parent_request_id("cmpl-1-0-1a2b3c4d") is None
     assert vllm_glue.parent_request_id("x_cmpl-1") is None
+
+
+_WORKER_SCRIPT = """
+import os, signal, sys, threading, time
+from mooncake_vllm import vllm_glue
+
+# vLLM's thread waiting on the death pipe: while it runs, the engine core serves.
+pipe_open = threading.Event()
+threading.Thread(target=pipe_open.wait, name="DeathPipeMonitor", daemon=True).start()
+
+class WorkerProc:  # named as vLLM's, so its handler's qualified name is vLLM's
+    @staticmethod
+    def worker_main():
+        def signal_handler(signum, frame):
+            raise SystemExit(7)
+
+        signal.signal(signal.SIGTERM, signal_handler)
+        signal.signal(signal.SIGINT, signal_handler)
+        print(vllm_glue.outlive_group_signal(), flush=True)
+        os.kill(os.getpid(), signal.SIG%s)  # the group's signal: logged, ignored
+        time.sleep(0.2)
+        print("alive", flush=True)
+        pipe_open.set()  # the engine core closed the death pipe
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)  # the executor's, after its grace: vLLM's handler
+        time.sleep(5)
+        print("not stopped", flush=True)
+
+WorkerProc.worker_main()
+"""
+
+
+@pytest.mark.parametrize("first", ["TERM", "INT"])
+def test_a_workers_first_signal_is_outlived_and_the_second_is_vllms(first):
+    """vLLM's mp worker exits on the first SIGTERM/SIGINT; a producer's worker wrapped by
+    ``outlive_group_signal`` keeps serving through a group signal and exits on the next."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER_SCRIPT % first],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.split() == ["True", "alive"], done.stdout + done.stderr
+    assert done.returncode == 7, done.stderr
+    assert "keeps serving while the engine core drains" in done.stderr
+
+
+def test_a_workers_signal_once_the_engine_core_ends_it_is_vllms():
+    """No group signal before: the executor's SIGTERM after its grace (the death pipe closed)
+    exits the worker through vLLM's handler at once, as without the wrapper."""
+    import subprocess
+
+    script = _WORKER_SCRIPT.replace('print("alive", flush=True)', "")
+    script = script.replace(
+        "os.kill(os.getpid(), signal.SIG%s)", "pipe_open.set(); time.sleep(0.2)"
+    )
+    script = script.replace("signal.SIG%s", "signal.SIGTERM")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == ["True"], done.stdout + done.stderr
+    assert done.returncode == 7, done.stderr
+    assert "keeps serving" not in done.stderr
+
+
+def test_outside_a_vllm_worker_the_signal_handlers_are_left_alone():
+    before = signal.getsignal(signal.SIGTERM)
+    assert vllm_glue.outlive_group_signal() is False
+    assert signal.getsignal(signal.SIGTERM) is before

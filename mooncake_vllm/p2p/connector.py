@@ -114,6 +114,9 @@ class MooncakeConnector(HalvesConnector):
             from mooncake_vllm.p2p.worker import WorkerHalf  # needs torch; workers only
 
             shorten_gil_switch_interval(settings.gil_switch_interval_s)
+            if self._cfg.is_producer:
+                # Leases granted before a group SIGTERM are served while the engine drains.
+                vllm_glue.outlive_group_signal()
             assert kv_cache_config is not None
             self._worker = WorkerHalf(
                 self._cfg,

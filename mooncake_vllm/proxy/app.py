@@ -17,7 +17,11 @@ prefill or decode answers 4xx/5xx       that status, with the backend's error bo
 a backend refuses/resets the connection the backend is ejected; 502 (the prefill leg is retried
                                         once on another prefill first, the decode leg only
                                         when the connection was never opened)
-no healthy backend in a pool            503 naming the pool
+no prefill takes the leg (none up, all  the decode gets a plain request and computes the
+draining or dropping it)                prompt itself (``dispatched_total{how="local"}``)
+a decode's KV load failed before a      both legs are sent again, once (``how="reloaded"``)
+token (its prefill went away)
+no healthy decode                       503 naming the pool
 prefill or decode misses its deadline   504 naming the deadline and its flag
 decode fails mid-stream                 a final ``data: {"error": ...}`` event, then the end
 client goes away mid-stream             the decode connection is closed, so vLLM aborts
@@ -42,7 +46,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from mooncake_vllm.proxy import concurrent, fanout, legs, prompt_list, rewrite
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.discovery import RegistryFollower
-from mooncake_vllm.proxy.errors import ProxyError
+from mooncake_vllm.proxy.errors import LoadFailed, ProxyError
 from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.health import HealthProber, health_report, healthy
 from mooncake_vllm.proxy.limits import ClientLimits, Refusal
@@ -78,17 +82,34 @@ async def generate(
     alone = rewrite.served_by_decode_alone(body, ctx.path)
     if alone is not None:
         logger.info("%s: %s: the decode serves it alone", ctx.request_id, alone)
-        handoff = None
-    else:
-        if backends.cfg.mode != "pool" and (prompts := prompt_list.prompts_to_split(body)):
-            return await fanout.generate_each_prompt(backends, ctx, body, prompts)
-        if backends.cfg.dispatch == "concurrent":
-            return await respond(
-                backends, ctx, body, await concurrent.open_both(backends, ctx, body, raw)
-            )
-        handoff = (await legs.prefill(backends, ctx, body)).kv_transfer_params
-    decode_body = rewrite.decode_body_bytes(raw, body, handoff)
-    return await respond(backends, ctx, body, await legs.open_decode_ok(backends, ctx, decode_body))
+        decode_body = rewrite.decode_body_bytes(raw, body, None)
+        leg = await legs.open_decode_ok(backends, ctx, decode_body)
+        return await respond(backends, ctx, body, leg)
+    if backends.cfg.mode != "pool" and (prompts := prompt_list.prompts_to_split(body)):
+        return await fanout.generate_each_prompt(backends, ctx, body, prompts)
+    try:
+        leg = await _both_legs(backends, ctx, body, raw, resendable=True)
+    except LoadFailed as e:
+        # The prefill that held the KV went away before the decode pulled it (a crash, or a
+        # drain past its --shutdown-timeout): nothing reached the client, so both legs go
+        # again, once; with no prefill left the decode computes the prompt itself.
+        backends.metrics.dispatched.labels("reloaded").inc()
+        logger.warning("%s %s; the request is sent again", ctx.request_id, e)
+        leg = await _both_legs(backends, ctx, body, raw, resendable=False)
+    return await respond(backends, ctx, body, leg)
+
+
+async def _both_legs(
+    backends: Backends, ctx: RequestContext, body: dict[str, Any], raw: bytes, *, resendable: bool
+) -> legs.OpenDecode:
+    """The prefill leg and the decode leg of one prompt; the decode's answer opened up to its
+    first token. ``resendable``: see ``legs.open_decode_ok``."""
+    if backends.cfg.dispatch == "concurrent":
+        return await concurrent.open_both(backends, ctx, body, raw, resendable=resendable)
+    outcome = await legs.prefill(backends, ctx, body)
+    decode_body = rewrite.decode_body_bytes(raw, body, outcome.kv_transfer_params)
+    resendable = resendable and outcome.kv_transfer_params is not None
+    return await legs.open_decode_ok(backends, ctx, decode_body, resendable=resendable)
 
 
 async def respond(

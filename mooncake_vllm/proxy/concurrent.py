@@ -47,9 +47,16 @@ def pending_handoff(producer: dict[str, Any], transfer_id: str) -> dict[str, Any
 
 
 async def open_both(
-    backends: Backends, ctx: RequestContext, body: dict[str, Any], raw: bytes
+    backends: Backends,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    raw: bytes,
+    *,
+    resendable: bool = False,
 ) -> OpenDecode:
-    """Both legs of one prompt; the decode's answer opened up to its first token."""
+    """Both legs of one prompt; the decode's answer opened up to its first token.
+    ``resendable``: see ``legs.open_decode_ok``. When no prefill can take the leg
+    (``PrefillOutcome.local``) the decode leg is sent again as a plain request."""
     transfer_id = rewrite.new_transfer_id()
     decode: asyncio.Task[OpenDecode] | None = None
     waits_on: dict[str, Any] | None = None  # the producer the decode leg waits on
@@ -65,7 +72,9 @@ async def open_both(
         )
         if waits_on is not None and not queued:
             data = rewrite.decode_body_bytes(raw, body, pending_handoff(waits_on, transfer_id))
-            decode = asyncio.create_task(legs.open_decode_ok(backends, ctx, data))
+            decode = asyncio.create_task(
+                legs.open_decode_ok(backends, ctx, data, resendable=resendable)
+            )
             sent.set()
 
     prefill = asyncio.create_task(legs.prefill(backends, ctx, body, transfer_id, start_decode))
@@ -79,6 +88,9 @@ async def open_both(
             await prefill
         raise
     handoff = outcome.kv_transfer_params
+    if outcome.local:  # counted by legs.prefill; a decode leg sent waits on a prefill that is gone
+        _cancel(decode)
+        return await legs.open_decode_ok(backends, ctx, rewrite.decode_body_bytes(raw, body, None))
     backends.producers.learn(outcome.backend_url, handoff)
     dispatched = backends.metrics.dispatched
     if decode is not None and waits_on == producer_of(handoff):
@@ -94,7 +106,10 @@ async def open_both(
             outcome.backend_url,
         )
         _cancel(decode)
-    return await legs.open_decode_ok(backends, ctx, rewrite.decode_body_bytes(raw, body, handoff))
+    data = rewrite.decode_body_bytes(raw, body, handoff)
+    return await legs.open_decode_ok(
+        backends, ctx, data, resendable=resendable and handoff is not None
+    )
 
 
 async def _first_failure(prefill: asyncio.Task, decode, sent: asyncio.Event) -> None:

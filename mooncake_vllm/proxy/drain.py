@@ -41,6 +41,11 @@ MAX_HEAD_BYTES = 64 * 1024
 # vllm.v1.engine.exceptions.EngineDeadError's message: the engine core has exited.
 _ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue"
 
+# vllm.exceptions.GenerationError's message and type: a request finished with finish_reason
+# "error" before any token, which a decode answers when its KV load failed under
+# kv_load_failure_policy "fail" (HTTP 500, or a stream's only event).
+_GENERATION_ERROR = ("Internal server error", "InternalServerError")
+
 ABORTED = "it answered 'abort' without a token"
 ENGINE_GONE = "its engine has exited (EngineDeadError)"
 LEFT = "it left the registry (stopped) before answering"
@@ -100,6 +105,29 @@ def refusal(status: int, raw: bytes) -> str | None:
     if status == 500:
         return ENGINE_GONE if _engine_gone(answer) else None
     return None
+
+
+def _generation_error(answer: Any) -> bool:
+    error = answer.get("error") if isinstance(answer, dict) else None
+    return isinstance(error, dict) and (error.get("message"), error.get("type")) == (
+        _GENERATION_ERROR
+    )
+
+
+def failed_before_a_token(status: int, head: bytes) -> bool:
+    """Whether a decode's answer read up to its first token (``read_head``: ``status``, the bytes
+    ``head``) is vLLM's error for a request that failed before producing one: a whole 500, or a
+    stream whose first event is the error. Under ``kv_load_failure_policy`` ``fail`` that is a
+    KV load that failed (the prefill holding the KV had gone); nothing reached the client."""
+    if status == 500:
+        try:
+            return _generation_error(msgspec.json.decode(head))
+        except msgspec.DecodeError:
+            return False
+    if not 200 <= status < 300:
+        return False
+    events, _ = _events(head)
+    return bool(events) and _generation_error(events[0])
 
 
 def _events(head: bytes) -> tuple[list[Any], bool]:

@@ -34,6 +34,19 @@ class ProxyError(Exception):
         return cls(status, rewrite.openai_error(message, error_type, param))
 
 
+class PoolExhausted(ProxyError):
+    """No backend of a pool took the call, and none acted on it: each one tried could not be
+    reached, refused it because it is shutting down, or dropped a call that is safe to repeat
+    (502); or the pool had no healthy backend to begin with (503). The request can still be
+    served without that pool (``legs.prefill``: the decode computes the prompt itself)."""
+
+
+class LoadFailed(ProxyError):
+    """A decode answered a request that carried a handoff with vLLM's error for a failed KV load
+    (``kv_load_failure_policy`` ``fail``: the prefill that held the KV has gone) before any
+    token: nothing reached the client, so the request may be sent again (``app.generate``)."""
+
+
 @dataclass(frozen=True)
 class LegDeadline:
     """How long a backend call may still take, and the configured limit behind it."""

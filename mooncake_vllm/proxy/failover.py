@@ -25,6 +25,7 @@ from mooncake_vllm.proxy.errors import (
     BackendFailure,
     FailureKind,
     LegDeadline,
+    PoolExhausted,
     ProxyError,
     classify,
 )
@@ -42,7 +43,8 @@ _KEEPALIVE_S = 4.0
 # Connections per backend; more requests than this wait for a free one.
 _CONNECTIONS_PER_BACKEND = 1000
 # The first backend and at most one other (the failure table in app.py): a client waits for at
-# most two failing backends before it gets the error.
+# most two failing backends before it gets the error (draining ones, which refuse at once, are
+# passed over without counting).
 _ATTEMPTS = 2
 
 T = TypeVar("T")
@@ -132,6 +134,9 @@ class Backends:
         # The calls waiting for each backend's answer, and those ``abandon`` cancelled.
         self._waiting: dict[Backend, set[asyncio.Task]] = {}
         self._abandoned: set[asyncio.Task] = set()
+        # Requests sent to a decode as plain requests since no prefill could take them (the
+        # episode ends with the next prefill leg a prefill serves); None: none since then.
+        self._local_requests: int | None = None
 
     # ---- the session (before_serving / after_serving) -------------------------------------------
 
@@ -178,6 +183,30 @@ class Backends:
             ejected = pool.eject(backend, failure.message)
         if ejected:
             self.report_ejection(pool, backend, failure.message)
+
+    def served_locally(self, ctx: RequestContext, why: str) -> None:
+        """Count a request whose prompt a decode computes because no prefill could take it
+        (``legs.prefill``); the first of an episode is logged with ``why``."""
+        self.metrics.dispatched.labels("local").inc()
+        if self._local_requests is None:
+            self._local_requests = 0
+            logger.warning(
+                "%s no prefill can take requests (%s): decodes compute prompts themselves until "
+                'one can (counted in mooncake_proxy_dispatched_total{how="local"})',
+                ctx.request_id,
+                why,
+            )
+        self._local_requests += 1
+
+    def prefill_served(self, url: str) -> None:
+        """A prefill answered a leg: an episode of ``served_locally`` requests has ended."""
+        if self._local_requests is not None:
+            logger.warning(
+                "prefill %s serves again: %d requests were computed by decodes meanwhile",
+                url,
+                self._local_requests,
+            )
+            self._local_requests = None
 
     def abandon(self, backend: Backend) -> int:
         """``backend`` has left its pool because its engine stopped (discovery: its registry
@@ -241,13 +270,17 @@ class Backends:
         the call is ``repeatable``. A missed deadline is never retried (504): the backend may
         just be busy. Each failure is counted, and a connection failure or a refusal ejects the
         backend. Raises ProxyError: 502 when the backends failed, 503 when the pool had no
-        healthy backend to begin with. ``discard`` gets an answer that arrives as the call is
-        cancelled (an open response to close).
+        healthy backend to begin with; both as ``PoolExhausted`` when no backend tried acted on
+        the call. ``discard`` gets an answer that arrives as the call is cancelled (an open
+        response to close).
         """
         pool = self.pools[role]
         tried: list[Backend] = []
         last: BackendFailure | None = None
-        while len(tried) < _ATTEMPTS:
+        # A draining backend's refusal comes at once and takes it out of rotation, so it costs
+        # no attempt: a leg goes on to the next backend until one serves or the pool is empty.
+        counted = 0
+        while counted < _ATTEMPTS:
             backend = _pick(pool, tried, last, ctx.prefix_key if role == "prefill" else None)
             deadline = LegDeadline.of(self.cfg, ctx.started_s, prefill=pool.role == "prefill")
             in_flight = InFlight(pool, backend, self.metrics)
@@ -266,11 +299,12 @@ class Backends:
                     raise ProxyError.of(502, failure.message, "backend_error") from e
                 logger.warning("%s %s", ctx.request_id, failure.message)
                 tried.append(backend)
+                counted += failure.kind is not FailureKind.DRAINING
                 last = failure
                 continue
             return Attempt(pool, backend, deadline, in_flight, answer)
         assert last is not None
-        raise ProxyError.of(502, last.message, "backend_error")
+        raise PoolExhausted.of(502, last.message, "backend_error")
 
     async def read_whole(
         self,
@@ -319,5 +353,5 @@ def _pick(
         return pool.pick(exclude=tried, key=key)
     except NoHealthyBackend as e:
         if last is not None:  # the pool ran out while failing over: report the real cause
-            raise ProxyError.of(502, last.message, "backend_error") from e
-        raise ProxyError.of(503, str(e), "service_unavailable") from e
+            raise PoolExhausted.of(502, last.message, "backend_error") from e
+        raise PoolExhausted.of(503, str(e), "service_unavailable") from e

@@ -22,12 +22,19 @@ _PROBER_MAX_SLEEP_S = 1.0
 
 
 def healthy(backends: Backends) -> bool:
-    """True when every pool has a backend in rotation."""
-    return all(pool.any_healthy() for pool in backends.pools.values())
+    """True when the proxy can serve: a decode is in rotation. Without a prefill in rotation
+    the decodes compute prompts themselves (``legs.prefill``): slower, but served."""
+    return backends.pools["decode"].any_healthy()
 
 
 def health_report(backends: Backends) -> dict[str, Any]:
-    report: dict[str, Any] = {"status": "ok" if healthy(backends) else "unavailable"}
+    """``status``: ``ok`` (both pools have a backend in rotation), ``degraded`` (no prefill:
+    decodes compute prompts themselves) or ``unavailable`` (no decode)."""
+    if not healthy(backends):
+        status = "unavailable"
+    else:
+        status = "ok" if backends.pools["prefill"].any_healthy() else "degraded"
+    report: dict[str, Any] = {"status": status}
     for role, pool in backends.pools.items():
         report[role] = pool.snapshot()
     return report

@@ -20,7 +20,14 @@ from typing import Any
 import aiohttp
 
 from mooncake_vllm.proxy import drain, rewrite
-from mooncake_vllm.proxy.errors import FailureKind, LegDeadline, ProxyError, classify
+from mooncake_vllm.proxy.errors import (
+    FailureKind,
+    LegDeadline,
+    LoadFailed,
+    PoolExhausted,
+    ProxyError,
+    classify,
+)
 from mooncake_vllm.proxy.failover import Attempt, Backends, InFlight, Reply, RequestContext
 from mooncake_vllm.proxy.routing import Backend, BackendPool
 
@@ -41,8 +48,13 @@ class PrefillOutcome:
     parses them into ``protocol.Handoff``, the proxy does not.
     """
 
-    backend_url: str
+    backend_url: str | None  # None: no prefill could take the leg (``local``)
     kv_transfer_params: dict[str, Any] | None  # None: the decode computes the prompt itself
+
+    @property
+    def local(self) -> bool:
+        """No prefill served the leg: the decode gets a plain request and computes the prompt."""
+        return self.backend_url is None
 
 
 async def prefill(
@@ -55,19 +67,29 @@ async def prefill(
     """Run the prefill leg; returns its outcome for the decode leg or raises ProxyError.
 
     The prefill leg is safe to repeat (it only fills a cache and returns one token), so a
-    connection failure is retried once on another healthy prefill; an HTTP error is not.
-    ``transfer_id``: the one to ask for (default: a new one; none in pool mode); ``before_send``:
-    told each prefill the leg goes to (``concurrent``).
+    connection failure is retried once on another healthy prefill, and a draining prefill's
+    refusal on the next one; an HTTP error is not. When no prefill took the leg (none healthy,
+    all draining, unreachable or dropping it) the outcome is ``local``: the decode gets the
+    request without a handoff and computes the prompt itself, as a plain vLLM would (a
+    ``kv_consumer`` computes what it is not handed). ``transfer_id``: the one to ask for
+    (default: a new one; none in pool mode); ``before_send``: told each prefill the leg goes to
+    (``concurrent``).
     """
     if backends.cfg.mode == "pool":
         transfer_id = None
     elif transfer_id is None:
         transfer_id = rewrite.new_transfer_id()
     leg_body = rewrite.encode_json(rewrite.build_prefill_body(body, ctx.path, transfer_id))
-    attempt = await backends.read_whole(
-        "prefill", ctx, "POST", data=leg_body, before_send=before_send
-    )
+    try:
+        attempt = await backends.read_whole(
+            "prefill", ctx, "POST", data=leg_body, before_send=before_send
+        )
+    except PoolExhausted as e:
+        backends.served_locally(ctx, str(e))
+        logger.info("%s prefill: none can take it; the decode computes the prompt", ctx.request_id)
+        return PrefillOutcome(None, None)
     backend, reply = attempt.backend, attempt.answer
+    backends.prefill_served(backend.url)
     backends.metrics.prefill_seconds.labels(backend.url).observe(reply.took_s)
     if 200 <= reply.status < 300:
         backend.record_prefill(reply.took_s, reply.bytes_in_flight)
@@ -164,11 +186,22 @@ async def open_decode(backends: Backends, ctx: RequestContext, body: bytes) -> O
     )
 
 
-async def open_decode_ok(backends: Backends, ctx: RequestContext, body: bytes) -> OpenDecode:
+async def open_decode_ok(
+    backends: Backends, ctx: RequestContext, body: bytes, *, resendable: bool = False
+) -> OpenDecode:
     """``open_decode``, and a decode that answered with an error status becomes the client's
-    ``ProxyError`` (its body passed on; a 5xx counted against the backend)."""
+    ``ProxyError`` (its body passed on; a 5xx counted against the backend).
+
+    ``resendable``: the leg carries a handoff the caller can replace; a decode whose load of it
+    failed before any token (``drain.failed_before_a_token``) raises ``LoadFailed``, streamed
+    or not, and its answer is closed."""
     leg = await open_decode(backends, ctx, body)
     status = leg.response.status
+    if resendable and drain.failed_before_a_token(status, leg.head):
+        backends.metrics.backend_errors.labels("decode", leg.backend.url, "load_failed").inc()
+        raw = leg.head
+        close_decode(leg)
+        raise LoadFailed(status, rewrite.backend_error_body("decode", status, raw))
     if not 200 <= status < 300:
         raw = await read_decode(backends, leg)
         if status >= 500:

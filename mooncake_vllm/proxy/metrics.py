@@ -75,15 +75,18 @@ class ProxyMetrics:
         )
         self.dispatched = Counter(
             "mooncake_proxy_dispatched",
-            "Decode legs under --dispatch concurrent, by how they were sent: concurrent (with "
-            "the prefill leg), sequential (the prefill's side channel was not known yet), "
-            "queued (sequential: the prefill was expected to answer later than "
+            "Decode legs by how they were sent. Any dispatch: local (no prefill could take "
+            "the request, every one down or draining: the decode got it as a plain request and "
+            "computed the prompt itself), reloaded (the decode's KV load failed before a "
+            "token, its prefill gone: both legs were sent again). Under --dispatch concurrent: "
+            "concurrent (with the prefill leg), sequential (the prefill's side channel was not "
+            "known yet), queued (sequential: the prefill was expected to answer later than "
             "--concurrent-max-wait-s), resent (the prefill handed over from another producer "
             "than the one awaited).",
             ["how"],
             registry=self.registry,
         )
-        for how in ("concurrent", "sequential", "queued", "resent"):
+        for how in ("local", "reloaded", "concurrent", "sequential", "queued", "resent"):
             self.dispatched.labels(how)
         for reason in ("concurrency", "rate"):
             self.client_limited.labels(reason)

@@ -17,7 +17,9 @@ lease's end is reported (``Ended``) before the consumer hears ``Released``, and 
 frees the blocks only once it reads that.
 
 The process ends when the engine core closes the socket pair (or dies: end of file, and the
-kernel's parent-death signal as a backstop).
+kernel's parent-death signal as a backstop); a SIGTERM or SIGINT while the engine core lives (a
+signal to vLLM's whole process group) is logged and ignored, so held leases are served while the
+engine drains.
 """
 
 from __future__ import annotations
@@ -376,8 +378,28 @@ def _die_with_parent(parent_pid: int) -> None:
         sys.exit(0)
 
 
+def _outlive_group_signal(parent_pid: int) -> None:
+    """SIGTERM and SIGINT end this process only once its engine core is gone (the parent-death
+    signal). A signal to vLLM's whole process group (systemd's ``KillMode=control-group``,
+    Ctrl-C) reaches this process too, while the engine core drains under
+    ``--shutdown-timeout``: the leases it holds must still be served then, and the engine core
+    ends this process itself (``Stop``, or the socket pair's end of file) when it shuts down."""
+
+    def hold(signum: int, frame: object) -> None:
+        if os.getppid() != parent_pid:
+            raise SystemExit(0)
+        logger.info(
+            "got %s: serving the held leases until the engine core stops this process",
+            signal.Signals(signum).name,
+        )
+
+    signal.signal(signal.SIGTERM, hold)
+    signal.signal(signal.SIGINT, hold)
+
+
 def main() -> None:
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    _outlive_group_signal(parent_pid)
     _die_with_parent(parent_pid)
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s [lease server] %(message)s"
