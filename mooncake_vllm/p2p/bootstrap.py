@@ -39,6 +39,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
+from mooncake_vllm.core.child_process import spawn_child
 from mooncake_vllm.core.settings import ConfigError
 from mooncake_vllm.p2p.config import BOOTSTRAP_PORT_ENV, ConnectorConfig
 from mooncake_vllm.p2p.upstream import parse_query, query_body
@@ -83,19 +84,7 @@ class BootstrapService:
         self.host, self.port = cfg.bootstrap_listen_host, cfg.bootstrap_port
         self.url = bootstrap_url(self.host, self.port)
         body = query_entry(cfg)
-        ours, theirs = socket.socketpair()
-        with theirs:
-            self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "mooncake_vllm.p2p.bootstrap",
-                    str(theirs.fileno()),
-                    str(os.getpid()),
-                ],
-                pass_fds=(theirs.fileno(),),
-            )
-        self._conn = Connection(ours.detach())
+        self._proc, self._conn = spawn_child("mooncake_vllm.p2p.bootstrap")
         try:
             self._conn.send({"host": self.host, "port": self.port, "query": body})
             if not self._conn.poll(_START_TIMEOUT_S):

@@ -22,17 +22,14 @@ pair, and each step reads the lease server's reports without blocking.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
-from multiprocessing.connection import Connection
 
 from mooncake_vllm.core.auth import is_loopback
+from mooncake_vllm.core.child_process import spawn_child
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.process import (
     Abort,
@@ -94,19 +91,7 @@ class LeaseService:
         # ``layerwise_handoff``: the token the workers' layer marks carry (step metadata).
         self.layers_token = secrets.token_bytes(16) if s.layerwise_handoff else b""
 
-        ours, theirs = socket.socketpair()
-        with theirs:
-            self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "mooncake_vllm.p2p.leases.process",
-                    str(theirs.fileno()),
-                    str(os.getpid()),
-                ],
-                pass_fds=(theirs.fileno(),),
-            )
-        self._conn = Connection(ours.detach())
+        self._proc, self._conn = spawn_child("mooncake_vllm.p2p.leases.process")
         start = Start(
             host=cfg.host,
             ports=[cfg.side_channel_port(r) for r in range(cfg.tp_size)],
