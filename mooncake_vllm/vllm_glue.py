@@ -347,6 +347,20 @@ def parent_request_id(req_id: str) -> str | None:
     return parent if sep and index.isdigit() and parent else None
 
 
+def request_family(req_id: str) -> str:
+    """The API request an engine request belongs to. vLLM names the prompts of one prompt list
+    ``f"{api_id}-{i}"`` (``completion/serving.py``), adds ``-`` and 8 random characters to each
+    (``input_processor``), and names ``n > 1`` children ``f"{index}_{parent_id}"``: all of them
+    share ``api_id``. Requests of one family may share a transfer (the proxy gives a list's
+    repeated prompts one handoff)."""
+    rid = parent_request_id(req_id) or req_id
+    base, sep, suffix = rid.rpartition("-")
+    if sep and len(suffix) == 8 and suffix.isalnum():
+        rid = base
+    head, sep, index = rid.rpartition("-")
+    return head if sep and index.isdigit() else rid
+
+
 def probe_internals() -> Probe:
     """Looks for every internal this module uses in the installed vLLM, without touching a
     running engine: ``probe_files`` over its sources, and Python's own queue internals."""

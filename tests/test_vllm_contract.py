@@ -367,6 +367,15 @@ def test_n_children_are_told_apart_from_other_requests_by_their_parent():
     assert vllm_glue.parent_request_id("x_cmpl-1") is None
 
 
+def test_one_api_requests_prompts_and_children_are_one_family():
+    family = vllm_glue.request_family
+    # a prompt list's items (repeated prompts share one handoff) and their n > 1 children
+    ids = ["cmpl-ab12-0-1a2b3c4d", "cmpl-ab12-2-9f8e7d6c", "1_cmpl-ab12-0-1a2b3c4d"]
+    assert {family(i) for i in ids} == {"cmpl-ab12"}
+    assert family("cmpl-cd34-0-1a2b3c4d") != family("cmpl-ab12-0-1a2b3c4d")
+    assert family("chatcmpl-x-1a2b3c4d") == "chatcmpl-x"
+
+
 _WORKER_SCRIPT = """
 import os, signal, sys, threading, time
 from mooncake_vllm import vllm_glue

@@ -56,7 +56,7 @@ from mooncake_vllm.vllm_glue import (
     IDLE_STEP_PAUSE_S,
     EngineCoreHandle,
     Probe,
-    parent_request_id,
+    request_family,
 )
 
 if TYPE_CHECKING:
@@ -539,21 +539,20 @@ class SharedPull:
     """One transfer's pull, as the requests carrying its id see it."""
 
     puller: str  # the request that pulls
-    family: str | None  # its parent, if it is one of vLLM's n > 1 children
+    family: str  # its API request (``vllm_glue.request_family``)
     prompt_digest: str
     state: Literal["pulling", "done", "failed"] = "pulling"
 
     @classmethod
     def of(cls, puller: Request) -> SharedPull:
         req_id = puller.request_id
-        return cls(req_id, parent_request_id(req_id), prompt_digest(puller.prompt_token_ids))
+        return cls(req_id, request_family(req_id), prompt_digest(puller.prompt_token_ids))
 
     def shared_by(self, request: Request) -> bool:
-        """Whether ``request`` is a sibling of the puller (vLLM's n > 1 children of one
-        request, one prompt): it follows this pull. Anything else is refused."""
-        family = parent_request_id(request.request_id)
+        """Whether ``request`` is a sibling of the puller (one API request: vLLM's n > 1
+        children, a prompt list's repeated prompt; one prompt): it follows this pull. Anything
+        else is refused."""
         return (
-            family is not None
-            and family == self.family
+            request_family(request.request_id) == self.family
             and prompt_digest(request.prompt_token_ids) == self.prompt_digest
         )
