@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -268,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--keep-tmp", action="store_true")
     args = ap.parse_args(argv)
+    # `timeout` and CI stop with SIGTERM: exit through the finally blocks that stop Ray and reap.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = build_tiny_model()
     tmp = Path(tempfile.mkdtemp(prefix="mvr-"))  # short: Ray's socket paths have a length limit
     summary: dict = {}
