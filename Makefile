@@ -17,8 +17,8 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest -v -m "not servers" $(PYTEST_ARGS)
 
-# A prefill drained under load by SIGTERM to its API server and to its process group; three
-# vLLM starts, so not in `make test` (tests/test_drain_e2e.py).
+# A prefill stopped under load (SIGTERM to its API server, to its process group, SIGKILL), 1P1D
+# and 2P2D; ten vLLM starts, so not in `make test` (tests/test_drain_e2e.py).
 test-drain: setup
 	MOONCAKE_VLLM_DRAIN_E2E=1 $(PY) -m pytest -v -s tests/test_drain_e2e.py $(PYTEST_ARGS)
 
@@ -27,7 +27,7 @@ test-drain: setup
 RAY_VENV ?= $(HOME)/.cache/mooncake-vllm/ray-venv
 test-ray: setup
 	@bash scripts/setup_ray.sh "$(RAY_VENV)"
-	$(RAY_VENV)/bin/python -m pytest -v -ra tests/test_ray_serve_e2e.py $(PYTEST_ARGS)
+	$(RAY_VENV)/bin/python -m pytest -v -ra -s tests/test_ray_serve_e2e.py $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m harness.demo
