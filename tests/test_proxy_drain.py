@@ -437,3 +437,50 @@ async def test_a_cancelled_caller_is_not_retried_and_its_late_answer_is_discarde
     assert sent == [a.url]
     assert discarded == ["an open response"]
     assert backends.abandon(a) == 0
+
+
+async def test_legs_waiting_on_a_backend_that_stopped_listening_go_to_another_one(caplog):
+    """vLLM 0.32 stops listening only after its engine client has stopped, and a leg it accepted
+    just before then is never answered (``drain.py``). Static backends, no discovery: once a
+    health probe finds nothing listening, the legs still waiting there go to the other prefill,
+    long before the prefill leg's deadline (120 s by default)."""
+    hung = asyncio.Event()
+    stuck, other, decode = Fake("prefill"), Fake("prefill"), Fake("decode")
+
+    async def never(request: web.Request) -> web.Response:
+        stuck.seen.append(await request.json())
+        hung.set()
+        await asyncio.Event().wait()  # the engine is gone: no answer, the connection stays open
+        raise AssertionError("unreachable")
+
+    stuck_app = web.Application()
+    stuck_app.router.add_post("/v1/completions", never)
+    stuck_app.router.add_get("/health", stuck._health)
+    runner = web.AppRunner(stuck_app, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    stuck_url = f"http://127.0.0.1:{port}"
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            other_url = await stack.enter_async_context(_serving(other.app()))
+            d_url = await stack.enter_async_context(_serving(decode.app()))
+            start_proxy = await stack.enter_async_context(proxies())
+            proxy = await start_proxy(
+                prefill=[stuck_url, other_url], decode=[d_url], health_interval_s=0.2
+            )
+            async with aiohttp.ClientSession() as http:
+                calls = [
+                    asyncio.create_task(_complete(http, proxy, stream=i % 2 == 1)) for i in range(4)
+                ]
+                await asyncio.wait_for(hung.wait(), 10)
+                await asyncio.sleep(0.5)  # the others are answered; stuck's legs wait
+                assert not all(c.done() for c in calls)
+                await site.stop()  # the listener closes; the accepted connections stay open
+                answers = await asyncio.wait_for(asyncio.gather(*calls), 10)
+    finally:
+        await runner.cleanup()
+    assert all("hello" in a or "tok" in a for a in answers)
+    assert len(other.seen) == 4, "every leg stuck on the stopped prefill went to the other one"
+    assert [r for r in caplog.records if "no longer listens" in r.getMessage()]

@@ -14,8 +14,9 @@ one of two ways (measured, ``test_xpyd_e2e``'s rolling restart):
   gives up. With discovery the engine's registry record is deleted as it leaves its loop, and
   the proxy sends the calls still waiting there elsewhere once the record has stayed away for
   ``--discover-grace-s`` (``failover.Backends.abandon``; sooner, it may have lapsed under a live
-  engine, ``discovery``); a
-  static backend's call waits for the 500 or the proxy's ``--timeout-s``.
+  engine, ``discovery``). The API server stops listening only after its engine client has
+  stopped, so once a health probe finds nothing listening the calls still waiting there are
+  sent elsewhere too (``health.HealthProber.probe``), static backends' included.
 
 Either way the backend did not act on the request: the proxy takes it out of rotation until it
 has restarted (``routing.BackendPool.drain``) and sends the leg to another backend, the decode

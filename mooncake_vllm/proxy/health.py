@@ -59,13 +59,23 @@ class HealthProber:
     def __init__(self, backends: Backends) -> None:
         self._backends = backends
         self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     def start(self) -> None:
+        # Each probe on a connection of its own: a backend that has stopped listening (a vLLM
+        # whose engine is gone) still answers on a kept-alive connection, and that it accepts
+        # connections is what a probe checks.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True), cookie_jar=aiohttp.DummyCookieJar()
+        )
         self._task = asyncio.create_task(self.probe_forever(), name="proxy-health-prober")
 
     async def stop(self) -> None:
         await stop_task(self._task, "health prober")
         self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def probe_forever(self) -> None:
         """Probe due backends, sleep until the next is due; runs until cancelled."""
@@ -91,14 +101,29 @@ class HealthProber:
     async def probe(self, pool: BackendPool, backend: Backend) -> None:
         """One ``GET /health``: 200 means healthy, anything else (or no answer) means not."""
         timeout_s = self._backends.cfg.connect_timeout_s
+        session = self._session or self._backends.session
         try:
-            async with self._backends.session.get(
+            async with session.get(
                 backend.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 status = resp.status
         except asyncio.TimeoutError:
             reason = f"health probe got no answer in {timeout_s:g}s"
             ejected = pool.probe_timed_out(backend, reason)  # a busy backend answers late
+        except aiohttp.ClientConnectorError as e:
+            reason = f"health probe failed: {str(e) or type(e).__name__}"
+            ejected = pool.probe_failed(backend, reason)
+            # Nothing listens there any more: a vLLM whose engine has gone closes its listener
+            # only after its engine client has stopped, so a call still waiting on it is never
+            # answered (drain.py); send it elsewhere now rather than at its deadline.
+            resent = self._backends.abandon(backend)
+            if resent:
+                logger.warning(
+                    "%s backend %s no longer listens: %d calls waiting on it go elsewhere",
+                    pool.role,
+                    backend.url,
+                    resent,
+                )
         except aiohttp.ClientError as e:
             reason = f"health probe failed: {str(e) or type(e).__name__}"
             ejected = pool.probe_failed(backend, reason)
