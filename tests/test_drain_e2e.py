@@ -1,18 +1,24 @@
-"""A prefill told to stop under load, as users stop it: nothing a client sent is lost.
+"""A prefill stopped under load, as users stop it: nothing a client sent is lost.
 
 The README's pair (one ``mooncake.json``, P2P handshake over TCP, vLLM's default
-``kv_load_failure_policy`` ``fail``) behind ``proxy/proxy_server.py``, the prefill started with
+``kv_load_failure_policy`` ``fail``) behind ``proxy/proxy_server.py``, each prefill started with
 vLLM's ``--shutdown-timeout 30`` as ``vllm serve``. Requests run at concurrency 8; a few seconds
-in, the prefill gets SIGTERM, either at its API server alone (``docker stop``, Kubernetes) or at
-its whole process group (systemd's ``KillMode=control-group``, a terminal's Ctrl-C). Load goes on
-until the prefill has exited. Every request, sent before the signal or after, must answer 200
-with the tokens the decode computes for the prompt on its own (a plain request: no handoff),
-which ``test_new_user_setup`` shows equal to a plain vLLM's. With one prefill, the requests it
-no longer admits are computed by the decode (``mooncake_proxy_dispatched_total{how="local"}``).
-The prefill is started again on its address for the next case, and the proxy takes it back.
+in, a prefill gets SIGTERM, either at its API server alone (``docker stop``, Kubernetes) or at
+its whole process group (systemd's ``KillMode=control-group``, a terminal's Ctrl-C), or SIGKILL
+at its group (it dies). Load goes on until the prefill has exited. Every request, sent before the
+signal or after, must answer 200 with the tokens a decode computes for the prompt on its own (a
+plain request: no handoff), which ``test_new_user_setup`` shows equal to a plain vLLM's.
 
-Three vLLM starts (decode, prefill, prefill again): past the suite's budget for one module, so
-it runs only with ``MOONCAKE_VLLM_DRAIN_E2E=1`` (``make test-drain``).
+- 1P1D: the requests the only prefill no longer admits are computed by the decode
+  (``mooncake_proxy_dispatched_total{how="local"}``); the prefill is started again on its
+  address for the next case, and the proxy takes it back.
+- 2P2D: the other prefill takes them; no request is computed by a decode.
+
+A drain serves every lease it granted (0 pull failures); a killed prefill's unpulled leases fail
+their pulls and the proxy sends those requests again.
+
+Ten vLLM starts: far past the suite's budget for one module, so it runs only with
+``MOONCAKE_VLLM_DRAIN_E2E=1`` (``make test-drain``).
 """
 
 from __future__ import annotations
@@ -22,19 +28,21 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from harness import servers
 from harness.pd import client_session, complete, greedy_body, kv_args, mooncake_json
-from harness.xpyd import start_pair_proxy
+from harness.xpyd import start_pair_proxy, start_proxy
 
 pytestmark = [
     pytest.mark.servers,
     pytest.mark.skipif(
         os.environ.get("MOONCAKE_VLLM_DRAIN_E2E") != "1",
-        reason="three vLLM starts: run with MOONCAKE_VLLM_DRAIN_E2E=1 (make test-drain)",
+        reason="ten vLLM starts: run with MOONCAKE_VLLM_DRAIN_E2E=1 (make test-drain)",
     ),
 ]
 
@@ -98,24 +106,65 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(rng.randrange(200, 900))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("target", ["api_server", "process_group"])
-async def test_a_drained_prefill_loses_no_request(pair, target):
-    if pair.prefill is None or not pair.prefill.process.alive:
-        pair.start_prefill()
-    pair.proxy.wait_for(
-        "the prefill in rotation", lambda: pair.proxy.health()["status"] == "ok", 60
-    )
-    prompts = _prompts(seed={"api_server": 1, "process_group": 2}[target], count=400)
-    local0 = pair.proxy.metric("mooncake_proxy_dispatched_total", how="local")
-    reloaded0 = pair.proxy.metric("mooncake_proxy_dispatched_total", how="reloaded")
-    failures0 = pair.decode.metric("mooncake_vllm:pull_failures_total")
-    pulls0 = pair.decode.metric("mooncake_vllm:pulls_total")
+def _signal(proc: servers.ManagedProcess, target: str) -> None:
+    """What stops the prefill: SIGTERM to its API server or to its whole process group (a
+    drain), or SIGKILL to the group (it dies, nothing drains)."""
+    if target == "api_server":
+        os.kill(proc.proc.pid, signal.SIGTERM)
+    elif target == "process_group":
+        os.killpg(proc.proc.pid, signal.SIGTERM)
+    else:
+        os.killpg(proc.proc.pid, signal.SIGKILL)
+
+
+@dataclass
+class Episode:
+    """One prefill stopped under load at concurrency 8, as the clients and counters saw it."""
+
+    sent_before: int
+    answers: dict[int, list[int]]
+    unequal: list[int]
+    errors: list[str]
+    counts: dict[str, float]
+    exit_s: float
+    log: str
+
+    def summary(self, label: str) -> str:
+        c = self.counts
+        return (
+            f"{label}: {self.sent_before} sent before the signal, "
+            f"{len(self.answers) + len(self.errors)} in all, {len(self.answers)} answered, "
+            f"{len(self.unequal)} unequal, {len(self.errors)} failed; local {c['local']:.0f}, "
+            f"reloaded {c['reloaded']:.0f}, pulls {c['pulls']:.0f}, pull failures "
+            f"{c['pull_failures']:.0f}; the prefill gone {self.exit_s:.1f}s after the signal"
+        )
+
+
+def _counts(proxy, decodes: list[servers.VllmServer]) -> dict[str, float]:
+    return {
+        "local": proxy.metric("mooncake_proxy_dispatched_total", how="local"),
+        "reloaded": proxy.metric("mooncake_proxy_dispatched_total", how="reloaded"),
+        "pulls": sum(d.metric("mooncake_vllm:pulls_total") for d in decodes),
+        "pull_failures": sum(d.metric("mooncake_vllm:pull_failures_total") for d in decodes),
+    }
+
+
+async def _stop_under_load(
+    model: str, proxy, prefill: servers.VllmServer, decodes: list[servers.VllmServer],
+    target: str, seed: int,
+) -> Episode:  # fmt: skip
+    """Load through ``proxy`` until ``prefill``, stopped per ``target`` a few seconds in, has
+    exited; every answer checked against the first decode computing the prompt itself."""
+    prompts = _prompts(seed=seed, count=400)
+    before = _counts(proxy, decodes)
     signalled_s: float | None = None
     exited = asyncio.Event()
     answers: dict[int, list[int]] = {}
     errors: list[str] = []
     sent_before = 0
     queue = iter(range(len(prompts)))
+    proc = prefill.process
+    log_offset = proc.log_path.stat().st_size  # the log holds the engine's earlier lives too
 
     async def client(http) -> None:
         nonlocal sent_before
@@ -124,21 +173,17 @@ async def test_a_drained_prefill_loses_no_request(pair, target):
                 return
             if signalled_s is None:
                 sent_before += 1
-            body = greedy_body(pair.model, prompts[i], MAX_TOKENS, stream=i % 2 == 1)
+            body = greedy_body(model, prompts[i], MAX_TOKENS, stream=i % 2 == 1)
             try:
-                answers[i] = (await complete(http, pair.proxy.url, body)).token_ids
+                answers[i] = (await complete(http, proxy.url, body)).token_ids
             except Exception as e:  # each one is reported below
                 errors.append(f"request {i}: {e}")
 
     async def stop_prefill() -> None:
         nonlocal signalled_s
         await asyncio.sleep(LOAD_BEFORE_SIGNAL_S)
-        proc = pair.prefill.process
         signalled_s = time.monotonic()
-        if target == "api_server":
-            os.kill(proc.proc.pid, signal.SIGTERM)
-        else:
-            os.killpg(proc.proc.pid, signal.SIGTERM)
+        _signal(proc, target)
         while proc.alive or proc.group_pids():
             await asyncio.sleep(0.2)
         exited.set()
@@ -148,35 +193,133 @@ async def test_a_drained_prefill_loses_no_request(pair, target):
         await asyncio.gather(*(client(http) for _ in range(CONCURRENCY)))
         await stopping
         exit_s = time.monotonic() - signalled_s
-        exit_code = pair.prefill.process.proc.returncode
-        # The reference: the decode computing each prompt itself (no handoff).
+        # The reference: a decode computing each prompt itself (no handoff).
         reference = {
             i: (
-                await complete(http, pair.decode, greedy_body(pair.model, prompts[i], MAX_TOKENS))
+                await complete(http, decodes[0], greedy_body(model, prompts[i], MAX_TOKENS))
             ).token_ids
             for i in sorted(answers)
         }
-    unequal = [i for i in answers if answers[i] != reference[i]]
-    local = pair.proxy.metric("mooncake_proxy_dispatched_total", how="local") - local0
-    reloaded = pair.proxy.metric("mooncake_proxy_dispatched_total", how="reloaded") - reloaded0
-    pulls = pair.decode.metric("mooncake_vllm:pulls_total") - pulls0
-    failures = pair.decode.metric("mooncake_vllm:pull_failures_total") - failures0
-    log = pair.prefill.process.log_tail(400_000)
-    print(
-        f"{target}: {sent_before} sent before the signal, {len(answers) + len(errors)} in all, "
-        f"{len(answers)} answered, {len(unequal)} unequal, {len(errors)} failed; "
-        f"local {local:.0f}, reloaded {reloaded:.0f}, pulls {pulls:.0f}, pull failures "
-        f"{failures:.0f}; prefill exited {exit_s:.1f}s after the signal, code {exit_code}"
+    after = _counts(proxy, decodes)
+    log = proc.log_path.read_bytes()[log_offset:].decode(errors="replace")
+    return Episode(
+        sent_before,
+        answers,
+        [i for i in answers if answers[i] != reference[i]],
+        errors,
+        {k: after[k] - before[k] for k in after},
+        exit_s,
+        log,
     )
-    assert not errors, errors[:5]
-    assert sent_before >= CONCURRENCY and len(answers) > sent_before
-    assert not unequal, unequal[:10]
-    assert pulls > 0, "no request went by transfer before the signal"
-    assert local > 0, "no request was computed by the decode while the prefill was away"
+
+
+def _assert_nothing_lost(ep: Episode, target: str) -> None:
+    assert not ep.errors, ep.errors[:5]
+    assert ep.sent_before >= CONCURRENCY and len(ep.answers) > ep.sent_before
+    assert not ep.unequal, ep.unequal[:10]
+    assert ep.counts["pulls"] > 0, "no request went by transfer before the signal"
+    if target == "killed":
+        return
     # The drain ended by itself, not at --shutdown-timeout with what was left killed.
-    assert "force killing" not in log, "the prefill did not finish draining"
+    assert "force killing" not in ep.log, "the prefill did not finish draining"
     if target == "process_group":  # the worker and the lease server outlived the group signal
-        assert "keeps serving while the engine core drains" in log
-        assert "serving the held leases until the engine core stops" in log
-    assert exit_s < SHUTDOWN_TIMEOUT_S + 30, f"the prefill took {exit_s:.0f}s to exit"
+        assert "keeps serving while the engine core drains" in ep.log
+        assert "serving the held leases until the engine core stops" in ep.log
+    assert ep.exit_s < SHUTDOWN_TIMEOUT_S + 30, f"the prefill took {ep.exit_s:.0f}s to exit"
+    # Leases granted before the signal were served: no pull failed.
+    assert ep.counts["pull_failures"] == 0, ep.counts
+
+
+@pytest.mark.parametrize("target", ["api_server", "process_group", "killed"])
+async def test_a_drained_prefill_loses_no_request(pair, target):
+    if pair.prefill is None or not pair.prefill.process.alive:
+        pair.start_prefill()
+    pair.proxy.wait_for(
+        "the prefill in rotation", lambda: pair.proxy.health()["status"] == "ok", 60
+    )
+    seed = {"api_server": 1, "process_group": 2, "killed": 3}[target]
+    ep = await _stop_under_load(pair.model, pair.proxy, pair.prefill, [pair.decode], target, seed)
+    print(ep.summary(f"1P1D, {target}"))
+    _assert_nothing_lost(ep, target)
+    # With its only prefill away, the decode computed the requests itself.
+    assert ep.counts["local"] > 0, (
+        "no request was computed by the decode while the prefill was away"
+    )
     pair.prefill = None  # the next case starts it again
+
+
+# -- two prefills, two decodes ----------------------------------------------------------------
+
+TWO_HOSTS = {"p1": "127.0.0.32", "p2": "127.0.0.33", "d1": "127.0.0.34", "d2": "127.0.0.35"}
+TWO_TE_PORT = 14320
+
+
+class TwoPairs:
+    def __init__(self, model: str, cfg: Path, log_dir: Path) -> None:
+        self.model, self.cfg, self.log_dir = model, cfg, log_dir
+        self.ports = {n: servers.free_port(h) for n, h in TWO_HOSTS.items()}
+        self.servers: dict[str, servers.VllmServer] = {}
+        self.proxy = None
+
+    def start(self, name: str) -> servers.VllmServer:
+        role = "kv_producer" if name.startswith("p") else "kv_consumer"
+        own_url = "prefill_url" if role == "kv_producer" else "decode_url"
+        args = kv_args(role, {own_url: f"{TWO_HOSTS[name]}:{TWO_TE_PORT}"})
+        if role == "kv_producer":
+            args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+        srv = servers.start_vllm(
+            self.model, name=f"drain2-{name}", host=TWO_HOSTS[name], port=self.ports[name],
+            args=args, env={"MOONCAKE_CONFIG_PATH": str(self.cfg)}, log_dir=self.log_dir,
+            cli=True,
+        )  # fmt: skip
+        self.servers[name] = srv
+        return srv
+
+    def url(self, name: str) -> str:
+        return f"http://{TWO_HOSTS[name]}:{self.ports[name]}"
+
+    def all_in_rotation(self) -> bool:
+        health = self.proxy.health()
+        return health["status"] == "ok" and self.proxy.pool("prefill", True) == {
+            self.url("p1"),
+            self.url("p2"),
+        }
+
+
+@pytest.fixture(scope="module")
+def two_pairs(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("drain2")
+    cfg = mooncake_json(tmp / "mooncake.json")
+    c = TwoPairs(tiny_model, cfg, tmp)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(c.start, TWO_HOSTS))
+        argv = [a for n in TWO_HOSTS for a in (f"--{'prefill' if n[0] == 'p' else 'decode'}",
+                                               c.url(n))]  # fmt: skip
+        c.proxy = start_proxy(argv)
+        c.proxy.wait_for("all four in rotation", c.all_in_rotation, 60)
+        yield c
+    finally:
+        with ThreadPoolExecutor(5) as pool:
+            list(pool.map(lambda s: s.stop(), [s for s in (c.proxy, *c.servers.values()) if s]))
+
+
+# Which prefill each case stops; the one stopped before is started again first, so each case
+# has two prefills when it begins and one left to take the legs the stopped one no longer admits.
+TWO_PAIR_CASES = [("api_server", "p1"), ("process_group", "p2"), ("killed", "p1")]
+
+
+@pytest.mark.parametrize(("target", "victim"), TWO_PAIR_CASES)
+async def test_2p2d_a_stopped_prefill_loses_no_request(two_pairs, target, victim):
+    c = two_pairs
+    for name in ("p1", "p2"):
+        if not c.servers[name].process.alive:
+            c.start(name)
+    c.proxy.wait_for("both prefills in rotation", c.all_in_rotation, 60)
+    decodes = [c.servers["d1"], c.servers["d2"]]
+    seed = {"api_server": 11, "process_group": 12, "killed": 13}[target]
+    ep = await _stop_under_load(c.model, c.proxy, c.servers[victim], decodes, target, seed)
+    print(ep.summary(f"2P2D, {target} to {victim}"))
+    _assert_nothing_lost(ep, target)
+    # The other prefill was there: no request had to be computed by a decode.
+    assert ep.counts["local"] == 0, ep.counts
