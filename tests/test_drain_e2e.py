@@ -179,7 +179,7 @@ async def _stop_under_load(
             except Exception as e:  # each one is reported below
                 errors.append(f"request {i}: {e}")
 
-    async def stop_prefill() -> None:
+    async def stop_prefill() -> float:
         nonlocal signalled_s
         await asyncio.sleep(LOAD_BEFORE_SIGNAL_S)
         signalled_s = time.monotonic()
@@ -187,12 +187,12 @@ async def _stop_under_load(
         while proc.alive or proc.group_pids():
             await asyncio.sleep(0.2)
         exited.set()
+        return time.monotonic() - signalled_s
 
     async with client_session() as http:
         stopping = asyncio.create_task(stop_prefill())
         await asyncio.gather(*(client(http) for _ in range(CONCURRENCY)))
-        await stopping
-        exit_s = time.monotonic() - signalled_s
+        exit_s = await stopping
         # The reference: a decode computing each prompt itself (no handoff).
         reference = {
             i: (
