@@ -72,6 +72,7 @@ class ServerSpec:
     model: str | None = None  # another model than ``start_many``'s
     cwd: Path | None = None  # where ``python -m`` starts: its first sys.path entry
     cli: bool = False  # start it as ``vllm serve MODEL ...`` (see ``start_vllm``)
+    max_model_len: int = 2048
 
 
 # A reference: a plain vLLM that only answers what a pair must equal, never timed. Its worker runs
@@ -131,6 +132,7 @@ def start_many(
                 log_dir=log_dir,
                 cwd=s.cwd,
                 cli=s.cli,
+                max_model_len=s.max_model_len,
             )
             for s in specs
         ]

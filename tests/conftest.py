@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -68,9 +69,12 @@ def _no_process_left_behind():
 
 
 # ---- the shared disaggregated cluster ---------------------------------------------------------
+
 # vLLM takes minutes to start on 2 cores, so one plain server, one prefill/decode pair and one
 # kv_both server serve every test module that needs them; they start together, once.
 
+CLUSTER_MAX_MODEL_LEN = 16_384
+PREFILL_BATCHED_TOKENS = 2048
 LEASE_TTL_S = 10.0
 # The layout module's engines (tests/test_layout_e2e.py), a TP2 one and one with 64-token blocks:
 # the shared "both" engine pulls from them.
@@ -183,16 +187,22 @@ def _start_cluster(model: str, tmp_path_factory) -> Cluster:
         ServerSpec(
             "prefill",
             PREFILL_HOST,
-            kv_args(
-                "kv_producer",
-                {
-                    "lease_ttl_s": LEASE_TTL_S,
-                    "layerwise_handoff": True,
-                    # Where Dynamo's prefill worker tells decodes to ask (vLLM's
-                    # get_mooncake_bootstrap_addr reads this key; tests/test_upstream_e2e.py).
-                    "bootstrap_server_address": f"{PREFILL_HOST}:8998",
-                },
-            ),
+            [
+                *kv_args(
+                    "kv_producer",
+                    {
+                        "lease_ttl_s": LEASE_TTL_S,
+                        "layerwise_handoff": True,
+                        # Where Dynamo's prefill worker tells decodes to ask (vLLM's
+                        # get_mooncake_bootstrap_addr reads this key; test_upstream_e2e.py).
+                        "bootstrap_server_address": f"{PREFILL_HOST}:8998",
+                    },
+                ),
+                # vLLM's CPU default, spelled out: a longer prompt is computed in several
+                # steps (tests/test_long_prompts_e2e.py).
+                "--max-num-batched-tokens",
+                str(PREFILL_BATCHED_TOKENS),
+            ],
             env,
         ),
         ServerSpec(
@@ -223,6 +233,9 @@ def _start_cluster(model: str, tmp_path_factory) -> Cluster:
         kv_connector_module_path="mooncake_vllm.connector",
     )
     specs.append(ServerSpec("both", "127.0.0.4", both_args, {**env, "VLLM_PLUGINS": ""}))
+    # Room for the long prompts of tests/test_long_prompts_e2e.py (the KV cache holds ~130k
+    # tokens of the tiny model); the other modules' engines keep start_vllm's 2048.
+    specs = [dataclasses.replace(s, max_model_len=CLUSTER_MAX_MODEL_LEN) for s in specs]
     return Cluster(model, *start_many(model, specs), config_path=cfg, secret_path=secret)
 
 

@@ -175,7 +175,7 @@ COMPLETION_CASES = [
                          "routed_experts_prompt_start"),
          {"mm_payload": "none", "return_token_offsets": True, "routed_experts_prompt_start": 0}),
     Case("return-mm-kwargs", ("return_mm_kwargs",), {"return_mm_kwargs": False}),
-    Case("too-many-tokens", ("max_tokens",), {"max_tokens": 5000}),  # refused by vLLM
+    Case("too-many-tokens", ("max_tokens",), {"max_tokens": 50_000}),  # refused by vLLM
     Case("unknown-model", ("model",), {"model": "no-such-model"}),  # refused by vLLM
     Case("return-token-ids-off", ("return_token_ids",), {"return_token_ids": False}),
     # Not a field of vLLM 0.32's CompletionRequest: ignored like any unknown field.

@@ -95,7 +95,7 @@ async def test_client_disconnect_mid_stream_frees_the_decode(pd, proxy, http):
 
 async def test_decode_rejection_reaches_the_client_with_its_status(pd, proxy, http):
     # Too long for decode's max_model_len: vLLM's 400 must reach the client as a 400.
-    body = {"model": pd.model, "prompt": prompt_ids(400, 100), "max_tokens": 5000}
+    body = {"model": pd.model, "prompt": prompt_ids(400, 100), "max_tokens": 50_000}
     for stream in (False, True):
         async with http.post(f"{proxy}/v1/completions", json={**body, "stream": stream}) as resp:
             assert resp.status == 400
