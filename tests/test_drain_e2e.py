@@ -17,8 +17,8 @@ plain request: no handoff), which ``test_new_user_setup`` shows equal to a plain
 A drain serves every lease it granted (0 pull failures); a killed prefill's unpulled leases fail
 their pulls and the proxy sends those requests again.
 
-Ten vLLM starts: far past the suite's budget for one module, so it runs only with
-``MOONCAKE_VLLM_DRAIN_E2E=1`` (``make test-drain``).
+Ten vLLM starts: far past the suite's budget for one module, so it is marked ``long`` (``make
+test-long``, or ``make test-drain`` for this module alone).
 """
 
 from __future__ import annotations
@@ -38,13 +38,7 @@ from harness import servers
 from harness.pd import client_session, complete, greedy_body, kv_args, mooncake_json
 from harness.xpyd import start_pair_proxy, start_proxy
 
-pytestmark = [
-    pytest.mark.servers,
-    pytest.mark.skipif(
-        os.environ.get("MOONCAKE_VLLM_DRAIN_E2E") != "1",
-        reason="ten vLLM starts: run with MOONCAKE_VLLM_DRAIN_E2E=1 (make test-drain)",
-    ),
-]
+pytestmark = [pytest.mark.servers, pytest.mark.long]  # ten vLLM starts
 
 HOST = "127.0.0.31"
 SHUTDOWN_TIMEOUT_S = 30

@@ -430,6 +430,7 @@ async def _store_restart_under_load(
     assert PULL_COUNTERS.since(decode, before)["pull_failures"] == 0
 
 
+@pytest.mark.long
 async def test_etcd_seed_form_restart_under_load_and_a_restarted_producer(
     pd, http, pairs, log_on_failure, unreachable_store_start
 ):

@@ -355,6 +355,7 @@ def requests_by_engine(srv) -> dict[str, float]:
     return out
 
 
+@pytest.mark.long
 async def test_a_data_parallel_prefill_lists_both_ranks_and_serves_the_one_asked(
     pd, http, dp_prefill
 ):

@@ -586,6 +586,7 @@ async def _prefill_leg(http, url: str, body: dict) -> dict:
     return handoff
 
 
+@pytest.mark.long
 async def test_rolling_restart_under_load_fails_no_request(xpyd):
     c = xpyd
     await _all_in_rotation(c)
