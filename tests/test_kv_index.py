@@ -1,0 +1,208 @@
+"""KV-event routing's pure parts: events in, each engine's cached prefix and the choice out."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from mooncake_vllm.proxy import kv_index, prefix
+from mooncake_vllm.proxy.kv_index import KvIndex, block_keys
+
+BS = 4  # block size of the engines below
+P0, P1, P2 = "http://p0:1", "http://p1:1", "http://p2:1"
+URLS = (P0, P1, P2)
+RING = prefix.Ring.of(URLS)
+
+
+def stored(tokens, hashes, parent=None, block_size=BS, **extra):
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(tokens),
+        "block_size": block_size,
+        **extra,
+    }
+
+
+def removed(*hashes):
+    return {"type": "BlockRemoved", "block_hashes": list(hashes)}
+
+
+CLEARED = {"type": "AllBlocksCleared"}
+PROMPT = list(range(100, 116))  # 4 blocks
+OTHER = list(range(200, 216))
+
+
+def test_block_keys_chain_over_every_earlier_token():
+    keys = block_keys(PROMPT, BS)
+    assert len(keys) == 4
+    assert block_keys(PROMPT[:9], BS) == keys[:2]  # a partial block has no key
+    # The same block after another history is another key.
+    assert block_keys([*OTHER[:4], *PROMPT[4:8]], BS)[1] != keys[1]
+    assert block_keys(PROMPT[4:8], BS, parent=keys[0]) == [keys[1]]
+
+
+# Each case: events per engine (in order), the prompt, the tokens each engine is expected to hold
+# as a leading run of the prompt.
+CASES = {
+    "one event, all blocks": ([(P0, stored(PROMPT, [1, 2, 3, 4]))], PROMPT, {P0: 16, P1: 0}),
+    "stored in steps, chained by parent hash": (
+        [(P0, stored(PROMPT[:8], [1, 2])), (P0, stored(PROMPT[8:12], [3], parent=2))],
+        PROMPT,
+        {P0: 12},
+    ),
+    "a longer prompt matches the held run": (
+        [(P0, stored(PROMPT[:8], [1, 2]))],
+        [*PROMPT, 5, 6],
+        {P0: 8},
+    ),
+    "a diverging prompt matches up to the divergence": (
+        [(P0, stored(PROMPT, [1, 2, 3, 4]))],
+        [*PROMPT[:6], 9, 9, *PROMPT[8:]],
+        {P0: 4},
+    ),
+    "removed tail shortens the run": (
+        [(P0, stored(PROMPT, [1, 2, 3, 4])), (P0, removed(3, 4))],
+        PROMPT,
+        {P0: 8},
+    ),
+    "removed head ends the run (vLLM's lookup stops at the first miss)": (
+        [(P0, stored(PROMPT, [1, 2, 3, 4])), (P0, removed(1))],
+        PROMPT,
+        {P0: 0},
+    ),
+    "all cleared": ([(P0, stored(PROMPT, [1, 2, 3, 4])), (P0, CLEARED)], PROMPT, {P0: 0}),
+    "engines apart": (
+        [(P0, stored(PROMPT[:4], [1])), (P1, stored(PROMPT, [7, 8, 9, 10]))],
+        PROMPT,
+        {P0: 4, P1: 16, P2: 0},
+    ),
+    "a clear on one engine leaves the other": (
+        [(P0, stored(PROMPT, [1, 2, 3, 4])), (P1, stored(PROMPT, [1, 2, 3, 4])), (P1, CLEARED)],
+        PROMPT,
+        {P0: 16, P1: 0},
+    ),
+    "unknown parent (events before we listened): not keyed": (
+        [(P0, stored(PROMPT[4:8], [2], parent=1))],
+        PROMPT,
+        {P0: 0},
+    ),
+    "reported again as a cache hit: one copy, one removal ends it": (
+        [(P0, stored(PROMPT[:4], [1])), (P0, stored(PROMPT[:4], [1])), (P0, removed(1))],
+        PROMPT,
+        {P0: 0},
+    ),
+    "two vLLM hashes for one token block (cache salt): held until both go": (
+        [(P0, stored(PROMPT[:4], [1])), (P0, stored(PROMPT[:4], [11])), (P0, removed(1))],
+        PROMPT,
+        {P0: 4},
+    ),
+    "bytes hashes (vLLM's default) work as ints do": (
+        [(P0, stored(PROMPT[:8], [b"a" * 32, b"b" * 32])), (P0, removed(b"b" * 32))],
+        PROMPT,
+        {P0: 4},
+    ),
+    "another KV cache group is ignored": (
+        [(P0, stored(PROMPT, [1, 2, 3, 4], group_idx=1))],
+        PROMPT,
+        {P0: 0},
+    ),
+    "tokens not whole blocks: ignored": ([(P0, stored(PROMPT[:6], [1]))], PROMPT, {P0: 0}),
+    "a removal of an unknown hash is harmless": (
+        [(P0, stored(PROMPT[:4], [1])), (P0, removed(99))],
+        PROMPT,
+        {P0: 4},
+    ),
+}
+
+
+@pytest.mark.parametrize(("events", "prompt", "expected"), CASES.values(), ids=CASES.keys())
+def test_events_in_cached_prefix_out(events, prompt, expected):
+    index = KvIndex()
+    for url, event in events:
+        index.apply(url, event)
+    assert index.matched_tokens(prompt, expected.keys()) == expected
+
+
+def test_events_as_vllm_sends_them():
+    """The wire form: vLLM's msgspec structs, msgpack-encoded, decoded without vLLM's types."""
+    events = pytest.importorskip("vllm.distributed.kv_events")
+    batch = events.KVEventBatch(
+        ts=0.0,
+        events=[
+            events.BlockStored(
+                block_hashes=[b"h1", b"h2"],
+                parent_block_hash=None,
+                token_ids=PROMPT[:8],
+                block_size=BS,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            ),
+            events.BlockRemoved(block_hashes=[b"h2"], medium="GPU"),
+        ],
+    )
+    _ts, decoded, _rank = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
+    index = KvIndex()
+    for event in decoded:
+        index.apply(P0, event)
+    assert index.matched_tokens(PROMPT, [P0]) == {P0: 4}
+
+
+# ---- the choice ---------------------------------------------------------------------------------
+
+KEY = b"some prefix"
+
+
+@pytest.mark.parametrize(
+    ("matched", "in_flight", "expected"),
+    [
+        # The longest cached prefix wins, whatever the ring says.
+        ({P0: 0, P1: 64, P2: 16}, {}, P1),
+        ({P0: 32, P1: 64, P2: 64}, {P1: 1}, P2),  # equal matches: fewer in flight
+        ({P0: 32, P1: 64, P2: 64}, {}, P1),  # equal and equally loaded: first in order
+        # Over the cap (load factor 2, 6 in flight over 3: cap ceil(2 * 7 / 3) = 5): passed over.
+        ({P0: 0, P1: 64, P2: 16}, {P1: 5, P0: 1}, P2),
+        # Nothing cached below the cap: the ring's choice (today's --policy prefix).
+        ({P0: 0, P1: 0, P2: 0}, {}, prefix.choose(RING, KEY, {}, URLS)),
+        ({}, {}, prefix.choose(RING, KEY, {}, URLS)),
+    ],
+)
+def test_choice(matched, in_flight, expected):
+    assert kv_index.choose(matched, in_flight, URLS, RING, KEY) == expected
+
+
+def test_choice_without_key_or_eligible():
+    assert kv_index.choose({}, {P0: 2, P1: 0, P2: 1}, URLS, RING, None) == P1
+    assert kv_index.choose({P0: 8}, {}, [], RING, KEY) is None
+    assert kv_index.choose({P0: 64}, {}, [P1, P2], RING, KEY) in (P1, P2)  # P0 not eligible
+
+
+def test_index_drives_choice_turn_by_turn():
+    """A chat's second turn goes where its first turn's blocks are; another chat spreads."""
+    index = KvIndex()
+    turn1 = PROMPT[:8]
+    index.apply(P2, stored(turn1, [5, 6]))
+    turn2 = [*turn1, *PROMPT[8:]]
+    matched = index.matched_tokens(turn2, URLS)
+    assert kv_index.choose(matched, {}, URLS, RING, KEY) == P2
+    # The engine evicted it: back to the ring.
+    index.apply(P2, removed(5))
+    matched = index.matched_tokens(turn2, URLS)
+    assert kv_index.choose(matched, {}, URLS, RING, KEY) == prefix.choose(RING, KEY, {}, URLS)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"prompt": [1, 2, 3]}, [1, 2, 3]),
+        ({"prompt": [[1, 2], [3]]}, [1, 2]),
+        ({"prompt": "text"}, None),
+        ({"prompt": ["text", "more"]}, None),
+        ({"messages": [{"role": "user", "content": "hi"}]}, None),
+        ({"prompt": []}, None),
+    ],
+)
+def test_prompt_token_ids(body, expected):
+    assert kv_index.prompt_token_ids(body) == expected
