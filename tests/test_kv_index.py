@@ -125,31 +125,6 @@ def test_events_in_cached_prefix_out(events, prompt, expected):
     assert index.matched_tokens(prompt, expected.keys()) == expected
 
 
-def test_events_as_vllm_sends_them():
-    """The wire form: vLLM's msgspec structs, msgpack-encoded, decoded without vLLM's types."""
-    events = pytest.importorskip("vllm.distributed.kv_events")
-    batch = events.KVEventBatch(
-        ts=0.0,
-        events=[
-            events.BlockStored(
-                block_hashes=[b"h1", b"h2"],
-                parent_block_hash=None,
-                token_ids=PROMPT[:8],
-                block_size=BS,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-            ),
-            events.BlockRemoved(block_hashes=[b"h2"], medium="GPU"),
-        ],
-    )
-    _ts, decoded, _rank = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
-    index = KvIndex()
-    for event in decoded:
-        index.apply(P0, event)
-    assert index.matched_tokens(PROMPT, [P0]) == {P0: 4}
-
-
 # ---- the choice ---------------------------------------------------------------------------------
 
 KEY = b"some prefix"
@@ -206,3 +181,69 @@ def test_index_drives_choice_turn_by_turn():
 )
 def test_prompt_token_ids(body, expected):
     assert kv_index.prompt_token_ids(body) == expected
+
+
+# ---- the pool and the subscription --------------------------------------------------------------
+
+
+def test_pool_routes_both_roles_by_cache():
+    from mooncake_vllm.proxy.routing import BackendPool, Policy
+
+    index = KvIndex()
+    index.apply(P1, stored(PROMPT[:8], [1, 2]))
+    pool = BackendPool("decode", URLS, Policy.KV, cache=index)
+    assert pool.pick(key=KEY, token_ids=PROMPT).url == P1
+    p1 = pool.backends[1]
+    assert pool.pick(exclude=[p1], key=KEY, token_ids=PROMPT).url != P1  # failover goes on
+    # Ids unknown (a text prompt): the ring, as --policy prefix.
+    assert pool.pick(key=KEY).url == prefix.choose(RING, KEY, {}, URLS)
+
+
+def test_subscriber_clears_an_engine_on_a_gap_or_restart():
+    from mooncake_vllm.proxy.kv_events import KvEventSubscriber
+
+    index = KvIndex()
+    sub = KvEventSubscriber(index, {P0: "tcp://127.0.0.1:1"})
+
+    def send(seq, *events):
+        payload = msgspec.msgpack.encode([0.0, list(events), None])
+        sub.receive(P0, [b"", seq.to_bytes(8, "big"), payload])
+
+    send(7, stored(PROMPT[:4], [1]))  # the first heard: whatever came before is unknown
+    send(8, stored(PROMPT[4:8], [2], parent=1))
+    assert index.matched_tokens(PROMPT, [P0]) == {P0: 8}
+    send(10)  # 9 was lost: its removals may be among them
+    assert index.matched_tokens(PROMPT, [P0]) == {P0: 0}
+    send(11, stored(PROMPT[:4], [1]))
+    send(0)  # the engine restarted
+    assert index.matched_tokens(PROMPT, [P0]) == {P0: 0}
+    sub.receive(P0, [b"not", b"three frames"])
+    assert (sub.streams[P0].gaps, sub.streams[P0].bad_messages) == (2, 1)
+
+
+async def test_subscriber_over_zmq():
+    """A real PUB socket publishing as vLLM does; the subscriber's index learns the blocks."""
+    import asyncio
+
+    import zmq
+
+    from mooncake_vllm.proxy.kv_events import KvEventSubscriber
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index = KvIndex()
+    sub = KvEventSubscriber(index, {P0: f"tcp://127.0.0.1:{port}"})
+    sub.start()
+    try:
+        payload = msgspec.msgpack.encode([0.0, [stored(PROMPT, [1, 2, 3, 4])], None])
+        for _ in range(200):  # a SUB joins late: publish until it hears (the slow joiner)
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), payload])
+            await asyncio.sleep(0.01)
+            if index.matched_tokens(PROMPT, [P0])[P0]:
+                break
+        assert index.matched_tokens(PROMPT, [P0]) == {P0: 16}
+    finally:
+        await sub.stop()
+        pub.close(linger=0)
+        ctx.term()
