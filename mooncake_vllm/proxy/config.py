@@ -151,6 +151,9 @@ class ProxyConfig(BaseModel):
                     "to --prefill/--decode, then its vLLM's kv-events-config endpoint)"
                 )
             url = normalize_backend_url(url)  # ValueError names the URL's accepted forms
+            if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+                out.append(f"{url}={endpoint}")  # a socket file on this host
+                continue
             parts = urlsplit(endpoint.strip())
             try:
                 port = parts.port
@@ -158,8 +161,8 @@ class ProxyConfig(BaseModel):
                 port = None
             if parts.scheme != "tcp" or not parts.hostname or port is None or "*" in endpoint:
                 raise ValueError(
-                    f"{pair!r}: the endpoint must be tcp://HOST:PORT, the host the engine binds "
-                    "its publisher on (its kv-events-config has tcp://*:PORT)"
+                    f"{pair!r}: the endpoint must be tcp://HOST:PORT, a host the engine's "
+                    "publisher listens on (its kv-events-config has tcp://*:PORT), or ipc://PATH"
                 )
             out.append(f"{url}={endpoint.strip()}")
         urls = [p.partition("=")[0] for p in out]

@@ -83,6 +83,11 @@ class KvIndex:
         """Forget what ``url`` holds (its cache was reset, it restarted, or events were lost)."""
         self.engine(url).clear()
 
+    def cached_blocks(self, url: str) -> int:
+        """How many distinct token blocks ``url``'s cache holds, as its events told."""
+        cache = self.engines.get(url)
+        return 0 if cache is None else len(cache.held)
+
     def apply(self, url: str, event: Mapping[str, Any]) -> None:
         """One KV event from ``url``'s engine, as msgpack decodes it (a dict with ``type``)."""
         kind = event.get("type")

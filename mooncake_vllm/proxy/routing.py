@@ -317,4 +317,8 @@ class BackendPool:
 
     def snapshot(self) -> list[dict[str, Any]]:
         now_s = self._clock()
-        return [b.snapshot(now_s) for b in self.backends]
+        out = [b.snapshot(now_s) for b in self.backends]
+        if self.cache is not None:  # --policy kv: how many blocks each engine's events told of
+            for entry in out:
+                entry["cached_blocks"] = self.cache.cached_blocks(entry["url"])
+        return out
