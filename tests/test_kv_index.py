@@ -247,3 +247,18 @@ async def test_subscriber_over_zmq():
         await sub.stop()
         pub.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("prompts", "bound"),
+    [
+        ([[1] * 256], 256),  # nothing seen before: all of it
+        ([list(range(300)), list(range(400))], 300 + 400 - 256),  # 2 leading blocks reused
+        ([list(range(256)), list(range(256))], 256 + 128),  # the last token is always computed
+        ([list(range(256)), [9, *range(1, 256)]], 512),  # another first block: nothing reused
+    ],
+)
+def test_reuse_bound_of_a_workload(prompts, bound):
+    from benchmarks.kv_routing import reuse_bound
+
+    assert reuse_bound(prompts, 128) == bound
