@@ -262,3 +262,47 @@ def test_reuse_bound_of_a_workload(prompts, bound):
     from benchmarks.kv_routing import reuse_bound
 
     assert reuse_bound(prompts, 128) == bound
+
+
+# Share (step 3): with two engines, P0 with 12 of the last 16 picks has excess 0.5, so a request
+# may give up to 4 * 0.5 = 2 x its prompt; with 9 of 16, excess 0.125: up to half its prompt.
+@pytest.mark.parametrize(
+    ("matched", "recent", "prompt_tokens", "expected"),
+    [
+        ({P0: 512}, {P0: 9, P1: 7}, 712, P0),  # 512 > 0.5 * 712: stays with its system prompt
+        ({P0: 512}, {P0: 12, P1: 4}, 712, P1),  # far over its share: moves, recomputes 512
+        ({P0: 640, P1: 512}, {P0: 9, P1: 7}, 900, P1),  # gives up 128 of 900: moves
+        ({P0: 640, P1: 512}, {P0: 8, P1: 8}, 900, P0),  # fair share: the longest prefix
+        ({P0: 512, P1: 512}, {P0: 9, P1: 7}, 712, P1),  # a tie: the less used
+        ({P0: 512}, {P0: 5, P1: 1}, 712, P0),  # too few picks to judge a share
+        ({P0: 512}, {P0: 12, P1: 4}, 0, P0),  # ids unknown: no share step
+        ({}, {P0: 9, P1: 7}, 712, P1),  # nothing cached: nothing given up
+    ],
+)
+def test_share_weighs_against_cache(matched, recent, prompt_tokens, expected):
+    urls = (P0, P1)
+    ring = prefix.Ring.of(urls)
+    key = next(k for k in (b"a", b"b", b"c", b"d") if prefix.choose(ring, k, {}, urls) == P0)
+    got = kv_index.choose(
+        matched, {}, urls, ring, key, recent_picks=recent, prompt_tokens=prompt_tokens
+    )
+    assert got == expected
+
+
+def test_pool_spreads_chats_under_one_system_prompt():
+    """Low concurrency, one system prompt cached on P0: without the share step every chat would
+    follow it; with it, P0 keeps at most ~60 % of them."""
+    from mooncake_vllm.proxy.routing import BackendPool, Policy
+
+    index = KvIndex()
+    pool = BackendPool("prefill", (P0, P1), Policy.KV, cache=index)
+    system = list(range(5000, 5512))
+    hashes = iter(range(10**6))
+    picked = []
+    for chat in range(40):
+        prompt = [*system, *range(chat * 1000, chat * 1000 + 200)]
+        url = pool.pick(key=b"system", token_ids=prompt).url
+        picked.append(url)
+        n = len(prompt) // 128  # the engine caches the prompt's full blocks
+        index.apply(url, stored(prompt[: n * 128], [next(hashes) for _ in range(n)], None, 128))
+    assert 0.4 <= picked.count(P0) / len(picked) <= 0.6, picked

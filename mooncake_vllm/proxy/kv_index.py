@@ -15,7 +15,9 @@ Pure and I/O-free, table-tested:
   run of blocks out (``matched_tokens``);
 - ``choose``: the engine with the longest cached prefix among those below the bounded-loads
   cap (``prefix.capacity``), ties to the fewest in flight; with no engine holding a block of
-  the prompt, today's estimate (``prefix.choose``, the hash ring on the prompt's prefix key).
+  the prompt, today's estimate (``prefix.choose``, the hash ring on the prompt's prefix key);
+  an engine with more than its share of the recent requests gives a request up to a less-used
+  one when the cached tokens lost there are few enough for its excess (``SHARE_WEIGHT``).
 
 A block is a hit only while the engine still holds every block before it (vLLM evicts a
 chain's tail first, and its prefix-cache lookup stops at the first miss), so the match is the
@@ -166,6 +168,19 @@ def _hashable(vllm_hash: Any) -> Hashable:
     return tuple(vllm_hash) if isinstance(vllm_hash, list) else vllm_hash
 
 
+# How much recompute a request may be sent to (its cached tokens given up, as a fraction of its
+# prompt) per unit of its engine's excess share of the pool's recent requests: an engine at
+# share s of n engines has excess ``s * n - 1``. 4: with two engines, a new chat that would
+# recompute its system prompt elsewhere (~70 % of its first prompt) moves once its engine has
+# ~59 % of the recent requests; a later turn whose system prompt is on both (it gives up its
+# own ~15 %) moves at ~52 %; an uncached prompt (nothing to give up) at any excess.
+SHARE_WEIGHT = 4.0
+# The pool's last picks that make an engine's recent share (``BackendPool``), and how many
+# there must be before a share is judged at all.
+RECENT_PICKS = 64
+MIN_RECENT_PICKS = 8
+
+
 def choose(
     matched_tokens: Mapping[str, int],
     in_flight: Mapping[str, int],
@@ -173,27 +188,57 @@ def choose(
     ring: prefix.Ring,
     key: bytes | None,
     load_factor: float = prefix.DEFAULT_LOAD_FACTOR,
+    *,
+    recent_picks: Mapping[str, int] | None = None,
+    prompt_tokens: int = 0,
 ) -> str | None:
-    """The URL for a request: the longest cached prefix below the load cap, else today's pick.
+    """The URL for a request: the longest cached prefix, weighed against load.
 
     ``eligible`` in the caller's preference order (round robin), ``in_flight`` per URL (missing:
-    0), ``matched_tokens`` per URL (missing: 0). A URL holding ``load_factor`` × the mean in
-    flight (``prefix.capacity``) is passed over, as under ``--policy prefix``. When no URL below
-    the cap holds a block of the prompt: ``prefix.choose`` on ``key`` (the ring), or, without a
-    key, the fewest in flight. None when nothing is eligible.
+    0), ``matched_tokens`` per URL (missing: 0). In three steps:
+
+    1. A URL holding ``load_factor`` × the mean in flight (``prefix.capacity``) is passed over,
+       as under ``--policy prefix``.
+    2. The longest cached prefix wins, ties to the fewest in flight, then the fewest recent
+       picks. When no URL holds a block of the prompt: ``prefix.choose`` on ``key`` (the
+       ring), or, without a key, the fewest in flight.
+    3. Share: at low concurrency nothing is ever in flight enough for step 1, and every chat
+       under one system prompt would follow its first. So when the winner has more than its
+       fair share of ``recent_picks`` (per URL, the pool's last ``RECENT_PICKS`` choices), the
+       request goes to the less-used URL holding the most of it, if the tokens it gives up
+       there are at most ``SHARE_WEIGHT`` × the winner's excess share × ``prompt_tokens``.
+       Without ``prompt_tokens`` (the ids are not known) this step is skipped.
+
+    None when nothing is eligible.
     """
     if not eligible:
         return None
+    recent = recent_picks or {}
     total = sum(in_flight.get(url, 0) for url in eligible)
     cap = prefix.capacity(total, len(eligible), load_factor)
     below = [url for url in eligible if in_flight.get(url, 0) < cap] or list(eligible)
     best = max(matched_tokens.get(url, 0) for url in below)
     if best > 0:
         holders = [url for url in below if matched_tokens.get(url, 0) == best]
-        return min(holders, key=lambda url: in_flight.get(url, 0))  # first of equals: in order
-    if key is not None:
-        return prefix.choose(ring, key, in_flight, eligible, load_factor)
-    return min(eligible, key=lambda url: in_flight.get(url, 0))
+        # min() keeps the first of equals: the caller's order.
+        chosen = min(holders, key=lambda url: (in_flight.get(url, 0), recent.get(url, 0)))
+    elif key is not None:
+        chosen = prefix.choose(ring, key, in_flight, eligible, load_factor)
+        assert chosen is not None
+    else:
+        chosen = min(eligible, key=lambda url: in_flight.get(url, 0))
+    picks = sum(recent.get(url, 0) for url in eligible)
+    if prompt_tokens <= 0 or picks < MIN_RECENT_PICKS or len(eligible) < 2:
+        return chosen
+    excess = recent.get(chosen, 0) / picks * len(eligible) - 1
+    if excess <= 0:
+        return chosen
+    others = [url for url in below if recent.get(url, 0) < recent.get(chosen, 0)]
+    if not others:
+        return chosen
+    alt = max(others, key=lambda url: (matched_tokens.get(url, 0), -recent.get(url, 0)))
+    given_up = matched_tokens.get(chosen, 0) - matched_tokens.get(alt, 0)
+    return alt if given_up <= SHARE_WEIGHT * excess * prompt_tokens else chosen
 
 
 def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -145,6 +146,8 @@ class BackendPool:
         # Index the next round-robin scan starts from; also breaks least-outstanding ties.
         self._next_index = 0
         self._ring: prefix.Ring | None = None  # built on the first prefix pick
+        # The URLs of the last kv picks, for each backend's recent share (``kv_index.choose``).
+        self._recent: deque[str] = deque(maxlen=kv_index.RECENT_PICKS)
 
     def _prefix_ring(self) -> prefix.Ring:
         urls = tuple(b.url for b in self.backends)
@@ -186,8 +189,17 @@ class BackendPool:
             matched: dict[str, int] = {}
             if self.cache is not None and token_ids is not None:
                 matched = self.cache.matched_tokens(token_ids, by_url)
-            url = kv_index.choose(matched, in_flight, list(by_url), self._prefix_ring(), key)
+            url = kv_index.choose(
+                matched,
+                in_flight,
+                list(by_url),
+                self._prefix_ring(),
+                key,
+                recent_picks=Counter(self._recent),
+                prompt_tokens=len(token_ids) if token_ids is not None else 0,
+            )
             assert url is not None  # candidates is not empty
+            self._recent.append(url)
             return self.backends[by_url[url]]  # round-robin position untouched
         if self.policy is Policy.PREFIX and key is not None:
             by_url = {self.backends[i].url: i for i in candidates}
