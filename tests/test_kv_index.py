@@ -265,11 +265,11 @@ def test_reuse_bound_of_a_workload(prompts, bound):
 
 
 # Share (step 3): with two engines, P0 with 12 of the last 16 picks has excess 0.5, so a request
-# may give up to 4 * 0.5 = 2 x its prompt; with 9 of 16, excess 0.125: up to half its prompt.
+# may give up 2.5 * 0.5 = 1.25 x its prompt; with 9 of 16, excess 0.125: up to 0.31 x.
 @pytest.mark.parametrize(
     ("matched", "recent", "prompt_tokens", "expected"),
     [
-        ({P0: 512}, {P0: 9, P1: 7}, 712, P0),  # 512 > 0.5 * 712: stays with its system prompt
+        ({P0: 512}, {P0: 9, P1: 7}, 712, P0),  # 512 > 0.31 * 712: stays with its system prompt
         ({P0: 512}, {P0: 12, P1: 4}, 712, P1),  # far over its share: moves, recomputes 512
         ({P0: 640, P1: 512}, {P0: 9, P1: 7}, 900, P1),  # gives up 128 of 900: moves
         ({P0: 640, P1: 512}, {P0: 8, P1: 8}, 900, P0),  # fair share: the longest prefix

@@ -170,11 +170,14 @@ def _hashable(vllm_hash: Any) -> Hashable:
 
 # How much recompute a request may be sent to (its cached tokens given up, as a fraction of its
 # prompt) per unit of its engine's excess share of the pool's recent requests: an engine at
-# share s of n engines has excess ``s * n - 1``. 4: with two engines, a new chat that would
-# recompute its system prompt elsewhere (~70 % of its first prompt) moves once its engine has
-# ~59 % of the recent requests; a later turn whose system prompt is on both (it gives up its
-# own ~15 %) moves at ~52 %; an uncached prompt (nothing to give up) at any excess.
-SHARE_WEIGHT = 4.0
+# share s of n engines has excess ``s * n - 1``. With two engines, a later turn whose system
+# prompt is on both (it gives up its own ~15 %) moves at ~53 % share, a new chat that would
+# recompute its system prompt elsewhere (~70 % of its first prompt) at ~64 %, an uncached prompt
+# (nothing to give up) at any excess. 2.5 from a simulation of benchmarks.kv_routing's workload
+# over 20 seeds (the router's own code, caches without eviction): 1.026x the reuse bound on
+# average and at most 59 % of the requests on one engine; 4 gave 1.076x and 56 %, 2 gave 1.021x
+# and 64 %.
+SHARE_WEIGHT = 2.5
 # The pool's last picks that make an engine's recent share (``BackendPool``), and how many
 # there must be before a share is judged at all.
 RECENT_PICKS = 64
