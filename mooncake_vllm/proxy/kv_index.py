@@ -173,10 +173,9 @@ def _hashable(vllm_hash: Any) -> Hashable:
 # share s of n engines has excess ``s * n - 1``. With two engines, a later turn whose system
 # prompt is on both (it gives up its own ~15 %) moves at ~53 % share, a new chat that would
 # recompute its system prompt elsewhere (~70 % of its first prompt) at ~64 %, an uncached prompt
-# (nothing to give up) at any excess. 2.5 from a simulation of benchmarks.kv_routing's workload
-# over 20 seeds (the router's own code, caches without eviction): 1.026x the reuse bound on
-# average and at most 59 % of the requests on one engine; 4 gave 1.076x and 56 %, 2 gave 1.021x
-# and 64 %.
+# (nothing to give up) at any excess. 2.5 from ``benchmarks.kv_routing_sim`` (this router on
+# kv_routing's workload, 20 seeds, both roles): 1.050x the reuse bound on average and at most
+# 59 % of the requests on one engine; 2 gave 1.032x and 62 %, 4 gave 1.085x and 56 %.
 SHARE_WEIGHT = 2.5
 # The pool's last picks that make an engine's recent share (``BackendPool``), and how many
 # there must be before a share is judged at all.
