@@ -45,13 +45,14 @@ demo-pool: setup
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-# Quick versions of the seven benchmarks (a few minutes); BENCH_ARGS=--full for the real sweep.
+# Quick versions of the eight benchmarks (a few minutes); BENCH_ARGS=--full for the real sweep.
 bench: setup
 	$(PY) -m benchmarks.proxy $(BENCH_ARGS)
 	$(PY) -m benchmarks.transfer $(BENCH_ARGS)
 	$(PY) -m benchmarks.serving $(BENCH_ARGS)
 	$(PY) -m benchmarks.soak $(BENCH_ARGS)
 	$(PY) -m benchmarks.prefix_routing $(BENCH_ARGS)
+	$(PY) -m benchmarks.kv_routing $(BENCH_ARGS)
 	$(PY) -m benchmarks.pool $(BENCH_ARGS)
 	$(PY) -m benchmarks.beside $(BENCH_ARGS)
 

@@ -59,6 +59,7 @@ from mooncake_vllm.core.registry import (
     encode_serving,
     serving_key,
 )
+from mooncake_vllm.proxy import prefix
 from mooncake_vllm.transfer.stores import open_store, parse_metadata_server
 
 pytestmark = pytest.mark.servers
@@ -74,6 +75,7 @@ PROXY_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 45
 DISCOVER_INTERVAL_S = 1.0  # the proxy's default --discover-interval-s
 MAX_TOKENS = 8
+BLOCK_SIZE = 128  # vLLM's default on CPU
 CONCURRENCY = 4
 # Ports apart from the other e2e modules' engines (they may share a session with this one).
 TE_PORT = 13403
@@ -89,6 +91,11 @@ class Engine:
     role: str
     host: str
     port: int  # the OpenAI server's
+    events_port: int = 0  # where vLLM publishes its KV events (--policy kv)
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.events_port}"
 
     @property
     def url(self) -> str:
@@ -101,7 +108,11 @@ class Engine:
         top = {"engine_id": f"xpyd-{self.name}"}
         if self.role == "kv_consumer":
             top["kv_load_failure_policy"] = "recompute"
-        return [*kv_args(self.role, extra, **top), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+        # vLLM binds a tcp://* publisher on every interface; the port tells the engines apart.
+        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{self.events_port}"}  # fmt: skip
+        return [*kv_args(self.role, extra, **top), "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                "--kv-events-config", json.dumps(events)]  # fmt: skip
 
 
 ENGINES = [
@@ -126,7 +137,10 @@ class Cluster:
     def __init__(self, model: str, config_env: dict[str, str], etcd_url: str) -> None:
         self.model, self.env, self.etcd_url = model, config_env, etcd_url
         self.engines = {
-            e.name: Engine(e.name, e.role, e.host, servers.free_port(e.host)) for e in ENGINES
+            e.name: Engine(
+                e.name, e.role, e.host, servers.free_port(e.host), servers.free_port("0.0.0.0")
+            )
+            for e in ENGINES
         }
         self.servers: dict[str, servers.VllmServer] = {}
         self.plain: servers.VllmServer | None = None
@@ -395,6 +409,61 @@ async def _recording_backend(host: str) -> AsyncIterator[tuple[str, list[tuple[s
 def _ignored(c: Cluster) -> dict[str, float]:
     name = "mooncake_proxy_registry_records_ignored_total"
     return {r: c.proxy.metric(name, reason=r) for r in ("unsigned", "bad_signature", "invalid")}
+
+
+async def test_kv_policy_sends_a_follow_up_turn_where_its_blocks_are(xpyd):
+    """``--policy kv`` on real KV events: a chat's first turn is computed on the prefill and the
+    decode that ``--policy prefix`` would not pick (sent to them directly); the proxy hears
+    their blocks and sends the second turn to both; the decode pulls only the new blocks;
+    the answer equals plain vLLM's."""
+    c = xpyd
+    await _all_in_rotation(c)
+    e = c.engines
+    prefills, decodes = [e["p1"].url, e["p2"].url], [e["d1"].url, e["d2"].url]
+    events = [f"--kv-events={x.url}={x.events_endpoint}" for x in e.values()]
+    proxy = await asyncio.to_thread(
+        start_proxy,
+        [*(f"--prefill={u}" for u in prefills), *(f"--decode={u}" for u in decodes),
+         "--policy", "kv", *events, "--health-interval-s", "1",
+         "--timeout-s", str(PROXY_TIMEOUT_S)],
+    )  # fmt: skip
+    try:
+        rng = random.Random(39)
+        turn1 = [rng.randrange(3, 2048) for _ in range(3 * BLOCK_SIZE)]
+        turn2 = [*turn1, *(rng.randrange(3, 2048) for _ in range(60))]
+        body2 = _body(c.model, turn2, 0)
+        # Where the prefix ring sends this chat, and so where events alone can send it.
+        key = prefix.prefix_key(body2)
+        ring_p = prefix.choose(prefix.Ring.of(prefills), key, {}, prefills)
+        ring_d = prefix.choose(prefix.Ring.of(decodes), key, {}, decodes)
+        holder_p = next(n for n in ("p1", "p2") if e[n].url != ring_p)
+        holder_d = next(n for n in ("d1", "d2") if e[n].url != ring_d)
+        async with client_session(total_timeout_s=PROXY_TIMEOUT_S) as http:
+            for name in (holder_p, holder_d):  # plain requests: each computes turn 1 itself
+                await complete(http, c.servers[name].url, _body(c.model, turn1, 0, 1))
+
+        def heard() -> bool:
+            report = proxy.health()
+            return all(
+                next(b for b in report[role] if b["url"] == e[n].url)["cached_blocks"] > 0
+                for role, n in (("prefill", holder_p), ("decode", holder_d))
+            )
+
+        await asyncio.to_thread(proxy.wait_for, "the holders' blocks in the index", heard, 10)
+        ref = (await _references(c, [turn2]))[0]
+        before = _counters(c)
+        ((answer, _),) = await _run(proxy.url, [body2])
+        after = _counters(c)
+    finally:
+        await asyncio.to_thread(proxy.stop)
+    assert not isinstance(answer, Exception), answer
+    assert answer.token_ids == ref
+    served = {n: _delta(after, before, n, "requests") for n in e}
+    assert served == {n: 1 if n in (holder_p, holder_d) else 0 for n in e}, served
+    pulled = _delta(after, before, holder_d, "external")
+    assert _delta(after, before, holder_d, "pull_failures") == 0
+    # The decode held turn 1's blocks: it pulled the rest of turn 2 (60 tokens), not all 444.
+    assert 0 < pulled <= len(turn2) - len(turn1), (pulled, len(turn2))
 
 
 async def test_forged_registry_records_get_no_request(xpyd):

@@ -32,7 +32,6 @@ over a ``--client-*`` limit             429 with ``Retry-After``; no backend see
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import json
 import logging
@@ -47,13 +46,12 @@ from mooncake_vllm.proxy import concurrent, fanout, legs, prompt_list, rewrite
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.discovery import RegistryFollower
 from mooncake_vllm.proxy.errors import LoadFailed, ProxyError
-from mooncake_vllm.proxy.failover import Backends, RequestContext
+from mooncake_vllm.proxy.failover import Backends, RequestContext, with_route_keys
 from mooncake_vllm.proxy.health import HealthProber, health_report, healthy
+from mooncake_vllm.proxy.kv_events import KvEventSubscriber
 from mooncake_vllm.proxy.limits import ClientLimits, Refusal
 from mooncake_vllm.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_vllm.proxy.metrics import ProxyMetrics
-from mooncake_vllm.proxy.prefix import prefix_key
-from mooncake_vllm.proxy.routing import Policy
 from mooncake_vllm.proxy.stream import DecodeStream
 
 logger = logging.getLogger("mooncake_vllm.proxy")
@@ -163,6 +161,12 @@ def create_app(cfg: ProxyConfig) -> Quart:
         else None
     )
     app.extensions["registry_follower"] = follower  # tests wait on its rounds
+    subscriber = (
+        KvEventSubscriber(backends.cache, cfg.kv_event_endpoints())
+        if backends.cache is not None
+        else None
+    )
+    app.extensions["kv_events"] = subscriber  # tests and /health read what it heard
     # Read once: the key the backends expect when the client's key is not forwarded.
     env_api_key = os.environ.get("OPENAI_API_KEY") or None
     # "Bearer <key>" -> the client it names in --client-* limits (never the key itself).
@@ -184,9 +188,13 @@ def create_app(cfg: ProxyConfig) -> Quart:
         prober.start()
         if follower is not None:
             follower.start()
+        if subscriber is not None:
+            subscriber.start()
 
     @app.after_serving
     async def _stop() -> None:
+        if subscriber is not None:
+            await subscriber.stop()
         if follower is not None:
             await follower.stop()
         await prober.stop()  # before the session it probes with closes
@@ -263,8 +271,7 @@ def create_app(cfg: ProxyConfig) -> Quart:
         if request.headers.get("X-Request-Id") is None and isinstance(body_request_id, str):
             g.request_id = rewrite.request_id_from(body_request_id)
         ctx = request_context()
-        if cfg.policy is Policy.PREFIX:
-            ctx = dataclasses.replace(ctx, prefix_key=prefix_key(body))
+        ctx = with_route_keys(ctx, body, cfg.policy)
         return await generate(backends, ctx, body, raw)
 
     app.add_url_rule(rewrite.COMPLETIONS_PATH, "completions", generation, methods=["POST"])

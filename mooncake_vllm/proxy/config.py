@@ -59,6 +59,8 @@ class ProxyConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     policy: Policy = Policy.ROUND_ROBIN
+    # Where each backend publishes its KV events, as BACKEND_URL=tcp://HOST:PORT (--policy kv).
+    kv_events: list[str] = []
     server: HttpServer = DEFAULT_HTTP_SERVER
     # p2p: the prefill hands its KV to the decode through kv_transfer_params (MooncakeConnector).
     # pool: nothing is handed over; the decode finds the prompt in the pool by its tokens
@@ -134,6 +136,62 @@ class ProxyConfig(BaseModel):
                 raise ValueError(
                     f"no {' and no '.join(missing)} backend: give {' and '.join(missing)} URL, "
                     "or --discover etcd://HOST:PORT (or redis://, http://) to find them"
+                )
+        return self
+
+    @field_validator("kv_events")
+    @classmethod
+    def _kv_events(cls, pairs: list[str]) -> list[str]:
+        out = []
+        for pair in pairs:
+            url, sep, endpoint = pair.partition("=")
+            if not sep:
+                raise ValueError(
+                    f"{pair!r}: expected BACKEND_URL=tcp://HOST:PORT (the backend's URL as given "
+                    "to --prefill/--decode, then its vLLM's kv-events-config endpoint)"
+                )
+            url = normalize_backend_url(url)  # ValueError names the URL's accepted forms
+            if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+                out.append(f"{url}={endpoint}")  # a socket file on this host
+                continue
+            parts = urlsplit(endpoint.strip())
+            try:
+                port = parts.port
+            except ValueError:
+                port = None
+            if parts.scheme != "tcp" or not parts.hostname or port is None or "*" in endpoint:
+                raise ValueError(
+                    f"{pair!r}: the endpoint must be tcp://HOST:PORT, a host the engine's "
+                    "publisher listens on (its kv-events-config has tcp://*:PORT), or ipc://PATH"
+                )
+            out.append(f"{url}={endpoint.strip()}")
+        urls = [p.partition("=")[0] for p in out]
+        duplicates = sorted({u for u in urls if urls.count(u) > 1})
+        if duplicates:
+            raise ValueError(f"more than one endpoint for {', '.join(duplicates)}")
+        return out
+
+    def kv_event_endpoints(self) -> dict[str, str]:
+        """Backend URL -> the ZMQ endpoint its KV events come from."""
+        return dict(p.partition("=")[::2] for p in self.kv_events)
+
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> ProxyConfig:
+        if self.policy is Policy.KV and not self.kv_events:
+            raise ValueError(
+                "--policy kv needs --kv-events BACKEND_URL=tcp://HOST:PORT for the engines whose "
+                "caches it follows (start them with --kv-events-config); without events use "
+                "--policy prefix"
+            )
+        if self.kv_events and self.policy is not Policy.KV:
+            raise ValueError("--kv-events is read by --policy kv only: add --policy kv")
+        if self.discover is None:
+            known = set(self.prefill) | set(self.decode)
+            unknown = [u for u in self.kv_event_endpoints() if u not in known]
+            if unknown:
+                raise ValueError(
+                    f"--kv-events names {', '.join(unknown)}, which is not a --prefill or "
+                    "--decode backend"
                 )
         return self
 

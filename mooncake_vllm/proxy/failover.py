@@ -11,15 +11,16 @@ leg up to its first token all go through it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import aiohttp
 
-from mooncake_vllm.proxy import drain
+from mooncake_vllm.proxy import drain, kv_index, prefix
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.errors import (
     BackendFailure,
@@ -32,7 +33,7 @@ from mooncake_vllm.proxy.errors import (
 from mooncake_vllm.proxy.limits import ClientSlot
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.producers import Producers
-from mooncake_vllm.proxy.routing import Backend, BackendPool, Backoff, NoHealthyBackend
+from mooncake_vllm.proxy.routing import Backend, BackendPool, Backoff, NoHealthyBackend, Policy
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 
@@ -61,8 +62,11 @@ class RequestContext:
     trusted_headers: Mapping[str, str]
     untrusted_headers: Mapping[str, str]
     # The prompt's prefix key (``prefix.prefix_key``): the prefill pool routes on it under
-    # --policy prefix; None for requests without a prompt.
+    # --policy prefix, both pools under kv; None for requests without a prompt.
     prefix_key: bytes | None = None
+    # The prompt's token ids when the client sent ids (``kv_index.prompt_token_ids``): both
+    # pools match them against their engines' caches under --policy kv.
+    prompt_token_ids: Sequence[int] | None = None
     # The client's admission under --client-* limits; a streamed answer releases it when it ends.
     client_slot: ClientSlot | None = None
 
@@ -120,9 +124,16 @@ class Backends:
         self.cfg = cfg
         self.metrics = metrics
         backoff = Backoff(initial_s=1.0, max_s=30.0)
+        # What the engines' prefix caches hold (--policy kv), fed by ``kv_events``.
+        self.cache = kv_index.KvIndex() if cfg.policy is Policy.KV else None
         self.pools = {
             role: BackendPool(
-                role, urls, cfg.policy, backoff=backoff, probe_interval_s=cfg.health_interval_s
+                role,
+                urls,
+                cfg.policy,
+                backoff=backoff,
+                probe_interval_s=cfg.health_interval_s,
+                cache=self.cache,
             )
             for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode))
         }
@@ -281,7 +292,7 @@ class Backends:
         # no attempt: a leg goes on to the next backend until one serves or the pool is empty.
         counted = 0
         while counted < _ATTEMPTS:
-            backend = _pick(pool, tried, last, ctx.prefix_key if role == "prefill" else None)
+            backend = _pick(pool, tried, last, ctx)
             deadline = LegDeadline.of(self.cfg, ctx.started_s, prefill=pool.role == "prefill")
             in_flight = InFlight(pool, backend, self.metrics)
             try:
@@ -346,11 +357,32 @@ class Backends:
         return attempt
 
 
+def with_route_keys(ctx: RequestContext, body: Mapping[str, Any], policy: Policy) -> RequestContext:
+    """``ctx`` with what ``policy`` routes ``body`` on (nothing for round robin and least
+    outstanding)."""
+    if policy is Policy.PREFIX:
+        return dataclasses.replace(ctx, prefix_key=prefix.prefix_key(body))
+    if policy is Policy.KV:
+        return dataclasses.replace(
+            ctx,
+            prefix_key=prefix.prefix_key(body),
+            prompt_token_ids=kv_index.prompt_token_ids(body),
+        )
+    return ctx
+
+
 def _pick(
-    pool: BackendPool, tried: list[Backend], last: BackendFailure | None, key: bytes | None
+    pool: BackendPool, tried: list[Backend], last: BackendFailure | None, ctx: RequestContext
 ) -> Backend:
+    # Prefix routing keeps a chat on one prefill; the decode side has no key there (it
+    # cannot see what a decode holds) and goes by least outstanding. KV routing sees both.
+    by_prompt = pool.policy is Policy.KV or pool.role == "prefill"
     try:
-        return pool.pick(exclude=tried, key=key)
+        return pool.pick(
+            exclude=tried,
+            key=ctx.prefix_key if by_prompt else None,
+            token_ids=ctx.prompt_token_ids if by_prompt else None,
+        )
     except NoHealthyBackend as e:
         if last is not None:  # the pool ran out while failing over: report the real cause
             raise PoolExhausted.of(502, last.message, "backend_error") from e

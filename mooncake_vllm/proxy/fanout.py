@@ -9,7 +9,6 @@ the other legs are cancelled then, and their open decode answers closed, so vLLM
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -19,10 +18,8 @@ from quart import Response
 
 from mooncake_vllm.proxy import legs, prompt_list, rewrite
 from mooncake_vllm.proxy.errors import ProxyError
-from mooncake_vllm.proxy.failover import Backends, RequestContext
+from mooncake_vllm.proxy.failover import Backends, RequestContext, with_route_keys
 from mooncake_vllm.proxy.legs import OpenDecode
-from mooncake_vllm.proxy.prefix import prefix_key
-from mooncake_vllm.proxy.routing import Policy
 from mooncake_vllm.proxy.stream import MergedStream
 
 logger = logging.getLogger("mooncake_vllm.proxy")
@@ -68,9 +65,7 @@ async def generate_each_prompt(
 
 
 def _context_for(backends: Backends, ctx: RequestContext, body: dict[str, Any]) -> RequestContext:
-    if backends.cfg.policy is Policy.PREFIX:
-        return dataclasses.replace(ctx, prefix_key=prefix_key(body))
-    return ctx
+    return with_route_keys(ctx, body, backends.cfg.policy)
 
 
 async def _decode(

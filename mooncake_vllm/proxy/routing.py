@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_vllm.proxy import prefix
+from mooncake_vllm.proxy import kv_index, prefix
 
 # Late health probes in a row before a healthy backend is ejected (see probe_timed_out).
 SLOW_PROBES_TO_EJECT = 3
@@ -41,6 +42,9 @@ class Policy(str, enum.Enum):
     LEAST_OUTSTANDING = "least_outstanding"
     # Prefill: by prompt prefix (``prefix.choose``); a pick without a key: least outstanding.
     PREFIX = "prefix"
+    # Both pools: the backend whose prefix cache holds the longest run of the prompt, as its KV
+    # events tell (``kv_index.choose``), bounded by load; nothing cached: as ``prefix``.
+    KV = "kv"
 
 
 class NoHealthyBackend(RuntimeError):
@@ -128,8 +132,11 @@ class BackendPool:
         backoff: Backoff = Backoff(),  # frozen: safe to share as a default
         probe_interval_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        cache: kv_index.KvIndex | None = None,
     ) -> None:
         self.role = role
+        # What each backend's prefix cache holds (--policy kv); None: not known.
+        self.cache = cache
         self.policy = Policy(policy)
         self.backoff = backoff
         self.probe_interval_s = probe_interval_s
@@ -139,6 +146,8 @@ class BackendPool:
         # Index the next round-robin scan starts from; also breaks least-outstanding ties.
         self._next_index = 0
         self._ring: prefix.Ring | None = None  # built on the first prefix pick
+        # The URLs of the last kv picks, for each backend's recent share (``kv_index.choose``).
+        self._recent: deque[str] = deque(maxlen=kv_index.RECENT_PICKS)
 
     def _prefix_ring(self) -> prefix.Ring:
         urls = tuple(b.url for b in self.backends)
@@ -148,13 +157,20 @@ class BackendPool:
 
     # ---- routing --------------------------------------------------------------------------------
 
-    def pick(self, exclude: Iterable[Backend] = (), key: bytes | None = None) -> Backend:
+    def pick(
+        self,
+        exclude: Iterable[Backend] = (),
+        key: bytes | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> Backend:
         """The backend for the next request; raises NoHealthyBackend when there is none.
 
         Round robin takes the next healthy backend in configured order. Least outstanding takes
         the healthy backend with the fewest requests in flight, ties going round robin. Prefix
         takes the backend owning ``key`` (``prefix.prefix_key``) on the hash ring, bounded by
-        load (``prefix.choose``); without a key it is least outstanding.
+        load (``prefix.choose``); without a key it is least outstanding. KV takes the backend
+        whose cache holds the longest run of ``token_ids`` (``kv_index.choose``), as prefix when
+        none holds a block of it or the prompt's ids are not known.
         """
         excluded = set(exclude)
         count = len(self.backends)
@@ -167,13 +183,31 @@ class BackendPool:
         ]
         if not candidates:
             raise NoHealthyBackend(self.role, count, len(excluded))
+        if self.policy is Policy.KV and (key is not None or token_ids is not None):
+            by_url = {self.backends[i].url: i for i in candidates}
+            in_flight = {url: self.backends[i].in_flight for url, i in by_url.items()}
+            matched: dict[str, int] = {}
+            if self.cache is not None and token_ids is not None:
+                matched = self.cache.matched_tokens(token_ids, by_url)
+            url = kv_index.choose(
+                matched,
+                in_flight,
+                list(by_url),
+                self._prefix_ring(),
+                key,
+                recent_picks=Counter(self._recent),
+                prompt_tokens=len(token_ids) if token_ids is not None else 0,
+            )
+            assert url is not None  # candidates is not empty
+            self._recent.append(url)
+            return self.backends[by_url[url]]  # round-robin position untouched
         if self.policy is Policy.PREFIX and key is not None:
             by_url = {self.backends[i].url: i for i in candidates}
             in_flight = {url: self.backends[i].in_flight for url, i in by_url.items()}
             url = prefix.choose(self._prefix_ring(), key, in_flight, by_url.keys())
             assert url is not None  # candidates is not empty
             return self.backends[by_url[url]]  # round-robin position untouched
-        if self.policy in (Policy.LEAST_OUTSTANDING, Policy.PREFIX):
+        if self.policy in (Policy.LEAST_OUTSTANDING, Policy.PREFIX, Policy.KV):
             # min() keeps the first of equals, i.e. the earliest in round-robin order.
             chosen = min(candidates, key=lambda i: self.backends[i].in_flight)
         else:
@@ -295,4 +329,8 @@ class BackendPool:
 
     def snapshot(self) -> list[dict[str, Any]]:
         now_s = self._clock()
-        return [b.snapshot(now_s) for b in self.backends]
+        out = [b.snapshot(now_s) for b in self.backends]
+        if self.cache is not None:  # --policy kv: how many blocks each engine's events told of
+            for entry in out:
+                entry["cached_blocks"] = self.cache.cached_blocks(entry["url"])
+        return out

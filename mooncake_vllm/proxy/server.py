@@ -82,7 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         choices=[x.value for x in Policy],
         default=defaults["policy"].default.value,
-        help="how a backend is chosen within a pool (%(default)s)",
+        help="how a backend is chosen within a pool (%(default)s); kv: by the engines' own "
+        "KV events (needs --kv-events)",
+    )
+    p.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=tcp://HOST:PORT",
+        help="a backend's KV event publisher (its vLLM's --kv-events-config endpoint), for "
+        "--policy kv; once per engine",
     )
     p.add_argument(
         "--server",
