@@ -45,7 +45,7 @@ demo-pool: setup
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-# Quick versions of the eight benchmarks (a few minutes); BENCH_ARGS=--full for the real sweep.
+# Quick versions of the nine benchmarks (a few minutes); BENCH_ARGS=--full for the real sweep.
 bench: setup
 	$(PY) -m benchmarks.proxy $(BENCH_ARGS)
 	$(PY) -m benchmarks.transfer $(BENCH_ARGS)
@@ -55,6 +55,7 @@ bench: setup
 	$(PY) -m benchmarks.kv_routing $(BENCH_ARGS)
 	$(PY) -m benchmarks.pool $(BENCH_ARGS)
 	$(PY) -m benchmarks.beside $(BENCH_ARGS)
+	$(PY) -m benchmarks.growth $(BENCH_ARGS)
 
 format: setup
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
