@@ -72,6 +72,8 @@ class ServerSpec:
     model: str | None = None  # another model than ``start_many``'s
     cwd: Path | None = None  # where ``python -m`` starts: its first sys.path entry
     cli: bool = False  # start it as ``vllm serve MODEL ...`` (see ``start_vllm``)
+    port: int | None = None  # None: one free on ``host`` (the caller's network namespace)
+    prefix: Sequence[str] = ()  # e.g. ``ip netns exec NS`` (see ``start_vllm``)
 
 
 # A reference: a plain vLLM that only answers what a pair must equal, never timed. Its worker runs
@@ -131,6 +133,8 @@ def start_many(
                 log_dir=log_dir,
                 cwd=s.cwd,
                 cli=s.cli,
+                port=s.port,
+                prefix=s.prefix,
             )
             for s in specs
         ]

@@ -333,6 +333,7 @@ def start_vllm(
     cwd: Path | None = None,
     cli: bool = False,
     nice: int = 0,
+    prefix: Sequence[str] = (),
 ) -> VllmServer:
     """Start ``python -m vllm.entrypoints.openai.api_server`` and wait for ``/health``; with
     ``cli``, vLLM's command as the guides write it: ``vllm serve MODEL ...``.
@@ -342,7 +343,10 @@ def start_vllm(
 
     ``cwd``: ``python -m`` puts it first on ``sys.path``, so a checkout there is the one whose
     ``mooncake_vllm`` the server imports (an A/B of code, ``benchmarks.serving --ours-b-src``).
-    ``vllm serve`` imports the installed one wherever it starts."""
+    ``vllm serve`` imports the installed one wherever it starts.
+
+    ``prefix``: a command that execs the server, e.g. ``ip netns exec NS`` (``harness.netns``);
+    ``/health`` is then polled from the calling thread's network namespace."""
     port = port or free_port(host)
     if cli:
         launch = [str(Path(sys.executable).with_name("vllm")), "serve", str(model)]
@@ -351,6 +355,7 @@ def start_vllm(
     if nice:
         launch = ["nice", "-n", str(nice), *launch]  # nice execs it: the pid stays vLLM's
     argv = [
+        *prefix,
         *launch,
         "--host", host,
         "--port", str(port),
