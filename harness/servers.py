@@ -430,14 +430,16 @@ def start_etcd(
     *,
     tls: Pki | None = None,
     extra_args: Sequence[str] = (),
+    prefix: Sequence[str] = (),
 ):
     """etcd on loopback; pass a stopped server's ``data_dir`` to restart it with its data.
+    ``prefix``: a command that execs it (``ip netns exec NS``, as for ``start_vllm``).
 
     With ``tls`` (``harness.tls.make_pki``) clients reach it by https with ``tls``'s server
     certificate and must present a client certificate of its CA (``--client-cert-auth``).
     ``extra_args`` are more etcd options (e.g. ``--auth-token-ttl``)."""
     port = port or free_port(host)
-    peer_port = free_port(host)
+    peer_port = port + 1 if prefix else free_port(host)  # another namespace: not bindable here
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="mooncake-vllm-etcd-"))
     scheme = "https" if tls else "http"
     client_url, peer_url = f"{scheme}://{host}:{port}", f"http://{host}:{peer_port}"
@@ -452,7 +454,7 @@ def start_etcd(
             "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
             "--trusted-ca-file", str(tls.ca_cert), "--client-cert-auth",
         ]  # fmt: skip
-    argv += list(extra_args)
+    argv = [*prefix, *argv, *extra_args]
     log = (log_dir or default_log_dir()) / f"etcd-{host}-{port}.log"
     proc = ManagedProcess("etcd", argv, log).start()
     context = _client_context(tls) if tls is not None else None
