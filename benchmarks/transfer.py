@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -145,9 +146,16 @@ class Ids(NamedTuple):
 class Peer:
     """The producer process; its stdin is its lifeline."""
 
-    def __init__(self, shape: KvShape, num_blocks: int, log_dir: Path):
+    def __init__(
+        self,
+        shape: KvShape,
+        num_blocks: int,
+        log_dir: Path,
+        host: str = PRODUCER_HOST,
+        prefix: Sequence[str] = (),
+    ):
         argv = [
-            sys.executable, "-m", "benchmarks.transfer_peer", "--host", PRODUCER_HOST,
+            *prefix, sys.executable, "-m", "benchmarks.transfer_peer", "--host", host,
             "--layers", str(shape.layers), "--num-blocks", str(num_blocks),
             "--block-bytes", str(shape.block_bytes),
         ]  # fmt: skip
@@ -319,7 +327,7 @@ class Bench:
         for t in self.resized:
             t.zero_()
 
-    def check(self, tokens: int, ids: Ids) -> None:
+    def check(self, tokens: int, ids: Ids, layouts: Sequence[str] = LAYOUTS) -> None:
         """Every layout's pull holds the producer's bytes: whole blocks (``same``), this rank's
         heads' slabs (``tp-split``), every head's K and V of every prompt token in token order
         (``block-resize``)."""
@@ -329,6 +337,8 @@ class Bench:
             want = block_content(layer, ids.src, s.block_bytes)
             if not np.array_equal(self.dst[layer][ids.dst], want):
                 raise AssertionError(f"same: layer {layer} blocks {ids.dst} hold wrong bytes")
+            if layouts == ["same"]:
+                continue
             slabs = want.reshape(n, s.kv_heads, -1)[:, heads.start : heads.stop].reshape(n, -1)
             if not np.array_equal(self.split_dst[layer][ids.dst], slabs):
                 raise AssertionError(f"tp-split: layer {layer} heads {heads} hold wrong bytes")
@@ -422,6 +432,57 @@ def run(shapes, prompts, id_kinds, reps: int, chunk_bytes: int, log_dir: Path, s
         bar.close()
         engine.close()
     return samples
+
+
+def tbf_row(shape: KvShape, tokens: int, rate: str, reps: int, log_dir: Path) -> dict:
+    """``same`` pulls across two network namespaces (``harness.netns``) whose link to the
+    consumer is capped by ``tc tbf`` at ``rate``: the measured pull time against bytes / rate."""
+    from harness.netns import Network
+
+    rate_bit_s = _tc_rate_bit_s(rate)
+    with Network() as net:
+        prod, cons = net.add_host("producer"), net.add_host("consumer")
+        net.cap("consumer", rate)
+        num_blocks = max(2 * -(-tokens // shape.block_size), 8)
+        peer = Peer(shape, num_blocks, log_dir, prod.address, net.argv("producer", []))
+        # The engine's threads start in this thread's namespace: the consumer's.
+        with net.entered("consumer"):
+            engine = TransferAgent(
+                cons.address, "P2PHANDSHAKE", "tcp", "",
+                env={"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": cons.address,
+                     "MC_TCP_PROGRESS_TIMEOUT_SEC": str(STALL_TIMEOUT_S)},
+            )  # fmt: skip
+            staging = torch.empty(1, dtype=torch.uint8)
+            bench = Bench(engine, shape, num_blocks, peer, staging)
+            try:
+                ids = block_ids(tokens, shape, num_blocks, "contiguous", random.Random(0))
+                bench.clear()
+                bench.same(tokens, ids)  # warm-up: the handshake
+                bench.check(tokens, ids, ["same"])
+                pulls = [bench.same(tokens, ids) for _ in range(reps)]
+            finally:
+                bench.close()
+                peer.stop()
+                engine.close()
+    nbytes = pulls[0]["bytes"]
+    seconds = sorted(p["s"] for p in pulls)
+    ideal_s = nbytes * 8 / rate_bit_s
+    median_s = seconds[len(seconds) // 2]
+    return {
+        "shape": shape.name, "prompt_tokens": tokens, "ids": "contiguous", "layout": "same",
+        "method": f"ours, netns, tbf {rate}", "bytes": nbytes, "reps": reps,
+        "median_s": round(median_s, 4), "min_s": round(seconds[0], 4),
+        "bytes_over_rate_s": round(ideal_s, 4), "median_over_ideal": round(median_s / ideal_s, 3),
+    }  # fmt: skip
+
+
+def _tc_rate_bit_s(rate: str) -> float:
+    """tc's rate units (``1gbit``, ``500mbit``, ``100kbit``) in bit/s."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.lower().endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise ValueError(f"--tbf-rate {rate!r}: a number and one of {', '.join(units)} (1gbit)")
 
 
 def summarize(samples: list[dict]) -> list[dict]:
@@ -547,6 +608,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="*", default=None, help="prompt lengths")
     ap.add_argument("--shapes", nargs="*", choices=["tiny", "big"], default=["tiny", "big"])
     ap.add_argument("--chunk-mib", type=float, default=4.0, help="raw_te chunk size (%(default)s)")
+    ap.add_argument(
+        "--tbf-rate",
+        default=None,
+        metavar="RATE",
+        help="also one row: big-shape 512-token pulls between two network namespaces whose "
+        "link is capped by tc tbf at RATE (1gbit), against bytes / RATE (root)",
+    )
+    ap.add_argument("--tbf-only", action="store_true", help="only the --tbf-rate row")
     args = ap.parse_args(argv)
     reps = args.reps or (20 if args.full else 5)
     if args.tokens:
@@ -559,8 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     id_kinds = ["scattered", "contiguous"]
     chunk_bytes = int(args.chunk_mib * 2**20)
     log_dir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-bench-transfer-"))
-    samples = run(shapes, prompts, id_kinds, reps, chunk_bytes, log_dir)
+    samples = [] if args.tbf_only else run(shapes, prompts, id_kinds, reps, chunk_bytes, log_dir)
     rows = summarize(samples)
+    tbf = [tbf_row(BIG, 512, args.tbf_rate, reps, log_dir)] if args.tbf_rate else []
     settings = {
         "mode": "full" if args.full else "quick",
         "reps": reps,
@@ -581,15 +651,27 @@ def main(argv: list[str] | None = None) -> int:
         "max_batch_entries": MAX_BATCH_ENTRIES,
         "transport": "tcp (MC_FORCE_TCP=1), P2PHANDSHAKE, 127.0.0.2 -> 127.0.0.3",
     }
+    if tbf:
+        settings["tbf"] = (
+            "big shape, 512 tokens, contiguous blocks, same layout; producer and consumer each in "
+            f"a network namespace on a bridge (harness.netns), tc tbf {args.tbf_rate} burst 256kb "
+            "latency 100ms on the consumer's switch port"
+        )
+    # A run of the tbf row alone keeps the main table's result.
+    name = "transfer-tbf" if args.tbf_only else "transfer"
     paths = common.write_result(
-        args.out_dir, "transfer", settings=settings, samples=samples, rows=rows,
+        args.out_dir, name, settings=settings, samples=samples, rows=rows + tbf,
         notes=["GB/s = bytes / median seconds; every pull checked against the producer's bytes",
                "vs_same: the layout's GB/s over same's in the same cell (target >= 0.8)",
                "scatter: block-resize's share of the pull's time in scatter_tokens",
                "raw_te, socket and memcpy move same's bytes: shown on the same rows only"],
-        plot=plot(rows),
+        plot=plot(rows) if rows else None,
     )  # fmt: skip
-    common.report("transfer: KV pull by consumer layout vs raw engine, socket, memcpy", rows, paths)
+    if rows:
+        title = "transfer: KV pull by consumer layout vs raw engine, socket, memcpy"
+        common.report(title, rows, [] if tbf else paths)
+    if tbf:
+        common.report("transfer: a pull across namespaces under a tc tbf cap", tbf, paths)
     return 0
 
 

@@ -73,6 +73,8 @@ class ServerSpec:
     cwd: Path | None = None  # where ``python -m`` starts: its first sys.path entry
     cli: bool = False  # start it as ``vllm serve MODEL ...`` (see ``start_vllm``)
     max_model_len: int = 2048
+    port: int | None = None  # None: one free on ``host`` (the caller's network namespace)
+    prefix: Sequence[str] = ()  # e.g. ``ip netns exec NS`` (see ``start_vllm``)
 
 
 # A reference: a plain vLLM that only answers what a pair must equal, never timed. Its worker runs
@@ -133,6 +135,8 @@ def start_many(
                 cwd=s.cwd,
                 cli=s.cli,
                 max_model_len=s.max_model_len,
+                port=s.port,
+                prefix=s.prefix,
             )
             for s in specs
         ]

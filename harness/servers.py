@@ -333,6 +333,7 @@ def start_vllm(
     cwd: Path | None = None,
     cli: bool = False,
     nice: int = 0,
+    prefix: Sequence[str] = (),
 ) -> VllmServer:
     """Start ``python -m vllm.entrypoints.openai.api_server`` and wait for ``/health``; with
     ``cli``, vLLM's command as the guides write it: ``vllm serve MODEL ...``.
@@ -342,7 +343,10 @@ def start_vllm(
 
     ``cwd``: ``python -m`` puts it first on ``sys.path``, so a checkout there is the one whose
     ``mooncake_vllm`` the server imports (an A/B of code, ``benchmarks.serving --ours-b-src``).
-    ``vllm serve`` imports the installed one wherever it starts."""
+    ``vllm serve`` imports the installed one wherever it starts.
+
+    ``prefix``: a command that execs the server, e.g. ``ip netns exec NS`` (``harness.netns``);
+    ``/health`` is then polled from the calling thread's network namespace."""
     port = port or free_port(host)
     if cli:
         launch = [str(Path(sys.executable).with_name("vllm")), "serve", str(model)]
@@ -351,6 +355,7 @@ def start_vllm(
     if nice:
         launch = ["nice", "-n", str(nice), *launch]  # nice execs it: the pid stays vLLM's
     argv = [
+        *prefix,
         *launch,
         "--host", host,
         "--port", str(port),
@@ -425,14 +430,16 @@ def start_etcd(
     *,
     tls: Pki | None = None,
     extra_args: Sequence[str] = (),
+    prefix: Sequence[str] = (),
 ):
     """etcd on loopback; pass a stopped server's ``data_dir`` to restart it with its data.
+    ``prefix``: a command that execs it (``ip netns exec NS``, as for ``start_vllm``).
 
     With ``tls`` (``harness.tls.make_pki``) clients reach it by https with ``tls``'s server
     certificate and must present a client certificate of its CA (``--client-cert-auth``).
     ``extra_args`` are more etcd options (e.g. ``--auth-token-ttl``)."""
     port = port or free_port(host)
-    peer_port = free_port(host)
+    peer_port = port + 1 if prefix else free_port(host)  # another namespace: not bindable here
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="mooncake-vllm-etcd-"))
     scheme = "https" if tls else "http"
     client_url, peer_url = f"{scheme}://{host}:{port}", f"http://{host}:{peer_port}"
@@ -447,7 +454,7 @@ def start_etcd(
             "--cert-file", str(tls.server_cert), "--key-file", str(tls.server_key),
             "--trusted-ca-file", str(tls.ca_cert), "--client-cert-auth",
         ]  # fmt: skip
-    argv += list(extra_args)
+    argv = [*prefix, *argv, *extra_args]
     log = (log_dir or default_log_dir()) / f"etcd-{host}-{port}.log"
     proc = ManagedProcess("etcd", argv, log).start()
     context = _client_context(tls) if tls is not None else None

@@ -335,7 +335,8 @@ def test_a_peer_without_the_secret_gets_no_answer_and_the_drop_is_counted(
     finally:
         stranger.close()
     reason = "unauthenticated" if not client_keys else "bad signature"
-    assert Drops(service).wait_for(reason, 2)[reason] == 2
+    # Three frames: the acquire, the release that withdraws it when it got no answer, the release.
+    assert Drops(service).wait_for(reason, 3)[reason] == 3
     # Nothing it sent touched the lease: the consumer holding the secret still pulls it.
     assert isinstance(client.call(address, acquire(service, "t-1", [3], OWNER), 5), wire.Granted)
     assert service.take_finished() == set()
@@ -635,3 +636,32 @@ def test_serve_ready_reads_a_bounded_batch_and_counts_its_drops():
         peer.close()
         server.close()
         ctx.term()
+
+
+def test_an_acquire_that_timed_out_is_withdrawn_behind_it():
+    """Across a cut link an acquire reaches the producer after the consumer gave up: the release
+    that follows it on the same connection ends the grant at once, instead of the producer's
+    pull hold (tests/test_netns_e2e.py). A pending acquire is left to the producer's wait."""
+    port = free_port()
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    client = SideChannelClient()
+    try:
+        for frame, withdrawn in [
+            (wire.Acquire("t-late", [1, 2], OWNER, 1, "inc"), True),
+            (wire.Acquire("t-pending", [], OWNER, 1, "", wait_ms=100), False),
+        ]:
+            with pytest.raises(SideChannelError, match="no answer"):
+                client.call(f"127.0.0.1:{port}", frame, timeout_s=0.3)
+            got = []
+            while router.poll(300):
+                got.append(wire.decode_frame(router.recv_multipart()[1]))
+            expected = [frame]
+            if withdrawn:
+                expected.append(wire.Release(frame.transfer_id, ok=False, owner=OWNER))
+            assert got == expected
+    finally:
+        client.close()
+        router.close()

@@ -14,6 +14,7 @@ the peer that acquired the lease (``leases.table``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -515,11 +516,31 @@ class SideChannelClient:
                     if getattr(reply, "transfer_id", None) == frame.transfer_id:
                         return reply
                 self._late[sock].append(nonce)  # its reply may still come on this socket
+                self._withdraw(sock, frame)
                 raise SideChannelError(
                     f"no answer from producer side channel {address} in {timeout_s:.1f}s"
                 )
         finally:
             self._checkin(address, sock, broken)
+
+    def _withdraw(self, sock: zmq.Socket, frame: Acquire | Await | Release) -> None:
+        """After an ``Acquire`` with blocks went unanswered, a ``Release`` (``ok`` false) of
+        its owner token behind it on the same socket, not waited for.
+
+        Across a cut link the acquire sits in this socket's TCP send queue and reaches the
+        producer when the link returns, after this consumer gave up: the producer would grant
+        it and hold the blocks for a reader that is gone, until its pull hold ends (its
+        ``load_timeout_s`` + ``stall_timeout_s`` + 5 s). One connection keeps the order, so the
+        release arrives right after the acquire and ends the lease at once; if the acquire was
+        refused or the lease has ended, the release changes nothing. A pending acquire (no
+        blocks yet) is not withdrawn: the producer parks it and ends it by its own wait."""
+        if not isinstance(frame, Acquire) or frame.wait_ms:
+            return
+        release = Release(frame.transfer_id, ok=False, owner=frame.owner)
+        sealed, nonce = seal_frame(self._keys, encode_frame(release), REQUEST)
+        with contextlib.suppress(zmq.ZMQError):  # a full queue: the pull hold still bounds it
+            sock.send(sealed, zmq.NOBLOCK)
+            self._late[sock].append(nonce)
 
     def _open(self, address: str, sock: zmq.Socket, data: bytes, nonce: bytes) -> Frame | None:
         """The reply in ``data`` if it answers ``nonce``; None otherwise, counted in
