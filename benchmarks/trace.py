@@ -277,7 +277,9 @@ def summarize(runs: list[dict], bound: int, slo: Slo, plain: dict | None) -> lis
             "computed_tokens": computed,
             "pulled_tokens": pulled,
             "per_engine": "/".join(f"{int(v)}" for v in run["requests_per_engine"].values()),
-            "decode_max_share_%": 100 * max(decodes.values()) / max(1.0, sum(decodes.values())),
+            "decode_max_share_%": 100 * max(decodes.values()) / max(1.0, sum(decodes.values()))
+            if len(decodes) > 1
+            else None,
             "equal_to_plain": equal,
             "span_s": run["span_s"],
         })  # fmt: skip
