@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -173,51 +172,14 @@ def _alive(pid: int) -> bool:
 
 
 def test_no_answer_is_an_error_within_the_timeout():
-    # A host that takes the connection and never answers (a hung or partitioned producer).
-    listener = socket.create_server(("127.0.0.1", 0))
     client = SideChannelClient()
     try:
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
         start = time.monotonic()
         with pytest.raises(SideChannelError, match="no answer"):
-            client.call(address, wire.Release("t", True, OWNER), timeout_s=0.5)
+            client.call(f"127.0.0.1:{free_port()}", wire.Release("t", True, OWNER), timeout_s=0.5)
         assert time.monotonic() - start < 2
     finally:
         client.close()
-        listener.close()
-
-
-def test_a_call_where_nothing_listens_fails_at_once_naming_the_address():
-    address = f"127.0.0.1:{free_port()}"
-    client = SideChannelClient()
-    try:
-        with pytest.raises(SideChannelError, match=f"{address} refuses connections"):
-            client.call(address, wire.Release("t", True, OWNER), timeout_s=60)
-    finally:
-        client.close()
-
-
-def test_a_call_waiting_on_a_producer_that_stops_fails_at_once():
-    """A pending acquire parked at a producer whose process then goes away (SIGKILL): the
-    connection's reset, and the refused reconnects after it, end the call long before its
-    deadline; a producer started again on the address is then reached by a new call."""
-    port = free_port()
-    service, client = start_service(port), SideChannelClient()
-    address = f"127.0.0.1:{port}"
-    try:
-        pending = wire.Acquire("t-pending", [], OWNER, 1, "", wait_ms=60_000)
-        with ThreadPoolExecutor(1) as pool:
-            call = pool.submit(client.call, address, pending, 60)
-            time.sleep(0.3)  # parked at the producer
-            service.close()
-            with pytest.raises(SideChannelError, match="refuses connections"):
-                call.result(timeout=20)
-        service = start_service(port)
-        got = client.call(address, acquire(service, "unknown", [1], OWNER), timeout_s=10)
-        assert isinstance(got, wire.Refused)
-    finally:
-        client.close()
-        service.close()
 
 
 def test_the_lease_server_imports_neither_vllm_nor_torch():

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from mooncake_vllm.core.auth import (
     REPLY,
@@ -68,8 +67,6 @@ _MAX_WAITING = 1024
 _MAX_WAIT_S = 600.0
 # How often a waiting pending acquire looks whether its request was cancelled.
 _CANCEL_CHECK_S = 0.1
-# What a client socket's monitor reports: whether the producer's side channel accepts connections.
-_CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
 # Abuse duty cycle (``abuse_pause_s``).
 _ABUSE_MIN_FRAMES = 64
 _ABUSE_MAX_PAUSE_S = 0.01
@@ -411,12 +408,6 @@ class SideChannelClient:
     Calls to one producer run concurrently: each call takes an idle socket to that producer (or
     opens one) and gives it back afterwards, so one slow acquire does not queue the others.
     Replies are matched by transfer id, so a late reply to a timed-out call is skipped.
-
-    ZeroMQ reconnects silently, so a producer whose process is gone (its host answers the
-    connection with a reset) would look like one that is slow to answer until the call's
-    deadline. Each socket's monitor tells them apart: a call whose socket's last connection
-    attempt was refused fails at once, naming the address; a producer that does not answer at
-    all (a host gone, a partition) still fails at the deadline.
     """
 
     def __init__(self, keys: Keys = ()) -> None:
@@ -426,9 +417,6 @@ class SideChannelClient:
         self._late: defaultdict[zmq.Socket, deque[bytes]] = defaultdict(lambda: deque(maxlen=8))
         self._ctx = latency_zmq_context()
         self._idle: dict[str, list[zmq.Socket]] = {}
-        # Per socket: its monitor, and whether its last connection attempt was refused.
-        self._monitors: dict[zmq.Socket, zmq.Socket] = {}
-        self._refused: dict[zmq.Socket, bool] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -441,41 +429,15 @@ class SideChannelClient:
                 return idle.pop()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        monitor = sock.get_monitor_socket(_CONNECTION_EVENTS)
         sock.connect(f"tcp://{address}")
-        with self._lock:
-            self._monitors[sock] = monitor
-            self._refused[sock] = False
         return sock
 
-    def _checkin(self, address: str, sock: zmq.Socket, broken: bool = False) -> None:
+    def _checkin(self, address: str, sock: zmq.Socket) -> None:
         with self._lock:
-            if self._closed or broken:
-                self._discard(sock)
+            if self._closed:
+                sock.close()
             else:
                 self._idle.setdefault(address, []).append(sock)
-
-    def _discard(self, sock: zmq.Socket) -> None:
-        """Close ``sock`` and its monitor (under ``_lock``)."""
-        monitor = self._monitors.pop(sock, None)
-        self._refused.pop(sock, None)
-        self._late.pop(sock, None)
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close()
-        sock.close()
-
-    def _connection_refused(self, sock: zmq.Socket) -> bool:
-        """Reads ``sock``'s monitor events so far: True while its last connection attempt was
-        refused (nothing listens at the address; ZeroMQ keeps retrying)."""
-        monitor = self._monitors[sock]
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)["event"]
-            if event == zmq.EVENT_CONNECT_RETRIED:
-                self._refused[sock] = True
-            elif event == zmq.EVENT_CONNECTED:
-                self._refused[sock] = False
-        return self._refused[sock]
 
     def call(
         self,
@@ -488,10 +450,6 @@ class SideChannelClient:
         waiting (a pending acquire waits for a prefill: its request may be aborted meanwhile);
         raises ``CallCancelled`` once set."""
         sock = self._checkout(address)
-        broken = False
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._monitors[sock], zmq.POLLIN)
         try:
             with latency_critical_section():
                 sealed, nonce = seal_frame(self._keys, encode_frame(frame), REQUEST)
@@ -503,14 +461,7 @@ class SideChannelClient:
                             self._late[sock].append(nonce)
                             raise CallCancelled(f"call to {address} cancelled")
                         left_ms = min(left_ms, int(_CANCEL_CHECK_S * 1000))
-                    ready = dict(poller.poll(left_ms))
-                    if self._connection_refused(sock):
-                        broken = True
-                        raise SideChannelError(
-                            f"producer side channel {address} refuses connections: nothing "
-                            "listens there (its engine has stopped)"
-                        )
-                    if sock not in ready:
+                    if not sock.poll(left_ms):
                         continue
                     reply = self._open(address, sock, sock.recv(), nonce)
                     if getattr(reply, "transfer_id", None) == frame.transfer_id:
@@ -521,7 +472,7 @@ class SideChannelClient:
                     f"no answer from producer side channel {address} in {timeout_s:.1f}s"
                 )
         finally:
-            self._checkin(address, sock, broken)
+            self._checkin(address, sock)
 
     def _withdraw(self, sock: zmq.Socket, frame: Acquire | Await | Release) -> None:
         """After an ``Acquire`` with blocks went unanswered, a ``Release`` (``ok`` false) of
@@ -572,7 +523,7 @@ class SideChannelClient:
             self._closed = True
             for socks in self._idle.values():
                 for sock in socks:
-                    self._discard(sock)
+                    sock.close()
             self._idle.clear()
         # The context is not terminated: a call in flight may still hold a socket. One client
         # lives as long as its worker process.
