@@ -1,17 +1,17 @@
 """Long prompts past the KV cache: a decode that holds only a few of them, a prefill that holds
-fewer, eight clients at once.
+one more, eight clients at once.
 
 A prefill and a decode of their own, each with a KV cache cut down by vLLM's own
 ``--num-gpu-blocks-override``: the decode holds three of the 4 200-token prompts sent here (33
 blocks each, 99 of its 100 blocks), the prefill four. With eight clients at once the prefill's
 other requests wait for blocks while the producer holds finished prompts for their pulls, and
-the decode admits three at a time, each of which needs a 34th block 24 tokens into its answer,
-with one block free: vLLM preempts running requests and re-admits them later (recomputing what
-it dropped). Nothing
-of that may show in the answers: each equals the plain vLLM's (the shared cluster's, at
-``--max-model-len`` 16 384), no pull fails (vLLM's default policy would make it a 500), and at
-the end neither side holds a lease or a block. The producer's held bytes, sampled while the
-load runs, never exceed its KV cache.
+the decode (its legs sent with the prefill's, ``--dispatch concurrent``) admits three at a time,
+each of which needs a 34th block 24 tokens into its answer with one block free: vLLM preempts
+running requests and re-admits them later (recomputing what it dropped). Nothing of that may
+show in the answers: each equals the plain vLLM's (the shared cluster's, at ``--max-model-len``
+16 384), no pull fails (vLLM's default policy would make it a 500), and at the end neither side
+holds a lease or a block. The producer's held bytes, sampled while the load runs, never exceed
+its KV cache.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 
 from harness import servers
 from harness.pd import PULL_COUNTERS, client_session, complete, greedy_body, kv_args
-from harness.xpyd import start_pair_proxy
+from harness.xpyd import start_proxy
 
 pytestmark = pytest.mark.servers
 
@@ -60,8 +60,13 @@ def tight_pair(tiny_model, cluster, tmp_path_factory):
 
         prefill = start("kv_producer", PREFILL_HOST, PREFILL_BLOCKS)
         decode = start("kv_consumer", DECODE_HOST, DECODE_BLOCKS)
-        proxy = start_pair_proxy(prefill.url, decode.url)
+        # Concurrent dispatch: each decode leg goes out with its prefill leg, so the decode
+        # admits three requests at once (their blocks allocated while their prompts are computed)
+        # however the prefills happen to finish.
+        proxy = start_proxy(["--prefill", prefill.url, "--decode", decode.url,
+                             "--dispatch", "concurrent"])  # fmt: skip
         started.append(proxy)
+        proxy.wait_for("both in rotation", lambda: proxy.health()["status"] == "ok", 60)
         yield cluster.plain, prefill, decode, proxy
     finally:
         for srv in reversed(started):
