@@ -29,7 +29,7 @@ from harness.pd import (
 from harness.servers import metric_totals, start_mooncake_master
 from harness.tiny_model import TinyModelSpec, build_tiny_model
 
-pytestmark = pytest.mark.servers
+pytestmark = [pytest.mark.servers, pytest.mark.long]  # own engines, ~100 s: make test-long
 
 MAX_TOKENS = 8
 BLOCK = 128  # vLLM's CPU block size: one pool key per block and TP rank
