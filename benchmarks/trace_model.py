@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import percentile
+
 TRACE_BLOCK_TOKENS = 512  # the published traces' hash block
 
 
@@ -180,22 +182,11 @@ class Slo:
     tbt_quantile: float = 90.0
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile, ``q`` in 0..100; NaN for no values."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def request_tbt_ms(token_times_s: Sequence[float], q: float) -> float | None:
     """The ``q`` quantile of the gaps between a request's streamed tokens (ms); None for fewer
     than two tokens (nothing to judge: a one-token answer meets any TBT SLO)."""
     gaps = [(b - a) * 1000 for a, b in itertools.pairwise(token_times_s)]
-    return quantile(gaps, q) if gaps else None
+    return percentile(gaps, q) if gaps else None
 
 
 def attainment(samples: Sequence[dict[str, Any]], slo: Slo, span_s: float) -> dict[str, float]:
