@@ -399,10 +399,13 @@ def start_redis(
     *,
     tls: Pki | None = None,
     extra_args: Sequence[str] = (),
+    prefix: Sequence[str] = (),
 ):
     """redis-server on loopback. With ``tls`` (``harness.tls.make_pki``) it speaks only TLS on
     ``port``, with ``tls``'s server certificate, and requires a client certificate of its CA.
-    ``extra_args`` are more redis-server options (e.g. ``--requirepass``, test passwords only)."""
+    ``extra_args`` are more redis-server options (e.g. ``--requirepass``, test passwords only).
+    ``prefix``: a command that execs it (``ip netns exec NS``, as for ``start_vllm``); ``port``
+    is then required (a free port here says nothing of another namespace)."""
     port = port or free_port(host)
     data_dir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-redis-"))
     argv = [
@@ -415,7 +418,7 @@ def start_redis(
             "--tls-key-file", str(tls.server_key), "--tls-ca-cert-file", str(tls.ca_cert),
             "--tls-auth-clients", "yes",
         ]  # fmt: skip
-    argv += list(extra_args)
+    argv = [*prefix, *argv, *extra_args]
     log = (log_dir or default_log_dir()) / f"redis-{host}-{port}.log"
     proc = ManagedProcess("redis-server", argv, log).start()
     proc.wait_until(lambda: _port_open(host, port), 30, "accepting connections")
@@ -471,10 +474,12 @@ def start_http_metadata(
     log_dir: Path | None = None,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ):
     """Our http metadata server (``mooncake_vllm.transfer.http_store``, persisting to ``data_dir``),
     or with ``mooncakes=True`` the one Mooncake ships (``mooncake.http_metadata_server``).
-    ``extra_args`` are more options (e.g. ``--token-file``), ``env`` its environment."""
+    ``extra_args`` are more options (e.g. ``--token-file``), ``env`` its environment, ``prefix``
+    a command that execs it (as for ``start_redis``)."""
     port = port or free_port(host)
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="mooncake-vllm-http-metadata-"))
     if mooncakes:
@@ -482,7 +487,7 @@ def start_http_metadata(
     else:
         argv = [sys.executable, "-m", "mooncake_vllm.transfer.http_store", "--host", host]
         argv += ["--persist", str(data_dir / "metadata.json")]
-    argv += ["--port", str(port), *extra_args]
+    argv = [*prefix, *argv, "--port", str(port), *extra_args]
     name = "mooncake-http-metadata" if mooncakes else "http-metadata"
     log = (log_dir or default_log_dir()) / f"{name}-{host}-{port}.log"
     proc = ManagedProcess(name, argv, log, env=env).start()
