@@ -6,7 +6,7 @@ No servers, no vLLM import, no psutil: table-tested in ``tests/test_soak_model.p
 A sample is one reading of the whole stack, taken every ``--sample-s`` seconds::
 
     {"t_s": 60.2, "procs": {"decode/EngineCore": {"rss_mib": 812.5, "fds": 96, ...}, ...},
-     "engine": {"held_leases": 0, "kv_usage_%": 1.2, ...}}
+     "engine": {"prefill": {"held_leases": 0}, "decode": {"kv_usage_%": 1.2, ...}}}
 
 ``series`` turns a list of them into one time series per (metric, process); ``trend`` fits each.
 """
@@ -14,6 +14,7 @@ A sample is one reading of the whole stack, taken every ``--sample-s`` seconds::
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,12 +48,16 @@ def checked_against_plain(loop: int, index: int, every: int) -> bool:
 
 def process_label(role: str, name: str, cmdline: Sequence[str]) -> str:
     """A short, stable name for one process of ``role``'s process group: vLLM's own titles
-    (``VLLM::EngineCore``, ``VLLM::Worker_TP0``) without the prefix, a Python module started with
-    ``-m`` by its last part (``api_server``, ``leases.process`` → ``process``), a script by its
-    stem (``proxy_server``), else the process name."""
+    (``VLLM::EngineCore``, ``VLLM::Worker_TP0``) without the prefix, ``python -c`` by the module
+    its code imports from (``resource_tracker``), a Python module started with ``-m`` by its last
+    part (two for a generic one: ``leases.process``), a script by its stem (``proxy_server``),
+    else the process name."""
     if name.startswith("VLLM::"):
         return f"{role}/{name.removeprefix('VLLM::')}"
     args = list(cmdline)
+    code = args[args.index("-c") + 1] if "-c" in args[:-1] else ""
+    if found := re.search(r"from ([\w.]+) import", code):  # e.g. multiprocessing's tracker
+        return f"{role}/{found[1].split('.')[-1]}"
     if "-m" in args[:-1]:
         module = args[args.index("-m") + 1]
         parts = module.split(".")
@@ -81,19 +86,17 @@ def unique_labels(labels: Iterable[str]) -> list[str]:
 def series(
     samples: Sequence[Mapping[str, Any]],
 ) -> dict[tuple[str, str], list[tuple[float, float]]]:
-    """``{(metric, process): [(t_s, value), ...]}`` over ``samples`` in order; the stack-wide
-    figures (``engine``) under process ``"-"``. A process missing from a sample (it had ended, or
-    not started) has no point there; a value of None is skipped the same way."""
+    """``{(metric, process): [(t_s, value), ...]}`` over ``samples`` in order; an engine's own
+    figures (``engine``, read from its ``/metrics``) under its role (``"prefill"``). A process
+    missing from a sample (it had ended, or not started) has no point there; a value of None
+    (nothing to say yet, or ``/metrics`` did not answer) is skipped the same way."""
     out: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for s in samples:
         t = float(s["t_s"])
-        for proc, values in s.get("procs", {}).items():
+        for proc, values in (*s.get("procs", {}).items(), *s.get("engine", {}).items()):
             for metric, v in values.items():
                 if v is not None:
                     out.setdefault((metric, proc), []).append((t, float(v)))
-        for metric, v in s.get("engine", {}).items():
-            if v is not None:
-                out.setdefault((metric, "-"), []).append((t, float(v)))
     return out
 
 
@@ -116,9 +119,8 @@ class Trend:
         return self.slope_per_h * self.span_h
 
     def flat(self, floor: float = 0.0) -> bool:
-        """The line moved at most 3 × the noise over the span, or at most ``floor`` (for a count,
-        2: a connection or thread opened once mid-run is a step of one, which a line through
-        the step makes a rise of up to 1.5)."""
+        """The line moved at most 3 × the noise over the span, or at most ``floor`` (the
+        metric's resolution, ``flat_floor``)."""
         return abs(self.drift) <= max(3 * self.noise, floor)
 
 
@@ -139,14 +141,22 @@ def trend(points: Sequence[tuple[float, float]], warmup_s: float) -> Trend | Non
     return Trend(len(kept), vs[0], vs[-1], statistics.fmean(vs), slope, noise, ts[-1] - ts[0])
 
 
-# Per metric: its unit in the table and the resolution ``Trend.flat`` allows.
-METRICS: dict[str, tuple[str, float]] = {
-    "rss_mib": ("MiB", 0.0),
-    "fds": ("count", 2.0),
-    "threads": ("count", 2.0),
-    "tcp": ("count", 2.0),
-    "held_leases": ("count", 2.0),
-    "kv_usage_%": ("%", 0.0),
-    "pulls_per_min": ("per min", 0.0),
-    "pull_failures": ("count", 0.0),
+# Per metric: its unit, and what ``Trend.flat`` allows beside the noise: for a count, 2 (a
+# connection or thread opened once mid-run is a step of one, which a line through the step makes
+# a rise of up to 1.5); for memory, 1 % of the series' mean (allocators grow in arenas).
+METRICS: dict[str, tuple[str, float, float]] = {
+    "rss_mib": ("MiB", 0.0, 0.01),
+    "fds": ("count", 2.0, 0.0),
+    "threads": ("count", 2.0, 0.0),
+    "tcp": ("count", 2.0, 0.0),
+    "held_leases": ("count", 2.0, 0.0),
+    "kv_usage_%": ("%", 0.0, 0.0),
+    "pulls_per_min": ("per min", 0.0, 0.0),
+    "pull_failures": ("count", 0.0, 0.0),
 }
+
+
+def flat_floor(metric: str, mean: float) -> float:
+    """The rise ``Trend.flat`` lets ``metric`` make whatever its noise (``METRICS``)."""
+    _, units, share = METRICS[metric]
+    return max(units, share * abs(mean))

@@ -32,7 +32,7 @@ or connection opened per peer or per request and never closed). Stack-wide: the 
 ``mooncake_vllm:held_leases``, the decode's KV cache usage, pulls per minute and failed pulls.
 Each series after ``--warmup-s`` gets a least-squares slope per hour and its noise (the residuals'
 standard deviation); ``flat``: the line moved at most 3 × its noise over the span (or two units
-of a count).
+of a count, 1 % of the mean RSS).
 """
 
 from __future__ import annotations
@@ -53,20 +53,21 @@ import aiohttp
 import psutil
 from tqdm import tqdm
 
-from benchmarks import common
+from benchmarks import common, tables
 from benchmarks.soak_model import (
     METRICS,
     checked_against_plain,
+    flat_floor,
     loop_seed,
     process_label,
     series,
     trend,
     unique_labels,
 )
-from benchmarks.trace import DEFAULT_TRACE, MAX_MODEL_LEN, VOCAB, one_request
+from benchmarks.trace import BY_SOURCE, DEFAULT_TRACE, MAX_MODEL_LEN, SOURCES, VOCAB, one_request
 from benchmarks.trace_model import Scale, TraceRequest, conversations, load_trace, prompt_for
 from harness import servers
-from harness.pd import client_session, readme_pair, reference_spec, start_many, tokens_by_transfer
+from harness.pd import client_session, readme_pair, reference_spec, start_many
 from harness.tiny_model import build_tiny_model
 from harness.xpyd import start_pair_proxy
 
@@ -146,7 +147,7 @@ class Sampler:
         procs: dict[str, dict[str, float]] = {}
         for role, group in self.stack.groups().items():
             procs.update(read_group(role, group))
-        engine: dict[str, float | None] = {}
+        engine: dict[str, dict[str, float | None]] = {}
         try:
             held = self.stack.prefill.metrics(["mooncake_vllm:held_leases"])
             names = ["vllm:kv_cache_usage_perc", "mooncake_vllm:pulls_total",
@@ -156,17 +157,20 @@ class Sampler:
             self.errors.append(f"{t_s:.0f}s: {type(e).__name__}: {e}")
         else:
             pulls = dec.get("mooncake_vllm:pulls_total", 0.0)
-            engine = {
-                "held_leases": held.get("mooncake_vllm:held_leases", 0.0),
-                "kv_usage_%": round(100 * dec.get("vllm:kv_cache_usage_perc", 0.0), 2),
-                "pulls": pulls,
-                "pull_failures": dec.get("mooncake_vllm:pull_failures_total", 0.0),
-                "pulls_per_min": None,
-            }
+            per_min = None
             if self._last_pulls is not None and t_s > self._last_pulls[0]:
                 t_prev, prev = self._last_pulls
-                engine["pulls_per_min"] = round(60 * (pulls - prev) / (t_s - t_prev), 2)
+                per_min = round(60 * (pulls - prev) / (t_s - t_prev), 2)
             self._last_pulls = (t_s, pulls)
+            engine = {
+                "prefill": {"held_leases": held.get("mooncake_vllm:held_leases", 0.0)},
+                "decode": {
+                    "kv_usage_%": round(100 * dec.get("vllm:kv_cache_usage_perc", 0.0), 2),
+                    "pulls": pulls,
+                    "pulls_per_min": per_min,
+                    "pull_failures": dec.get("mooncake_vllm:pull_failures_total", 0.0),
+                },
+            }
         self.samples.append({"t_s": round(t_s, 1), "procs": procs, "engine": engine})
 
     def _run(self) -> None:
@@ -255,6 +259,13 @@ def warm_up(stack: Stack, model: str, scale: Scale, seed: int) -> None:
 # ---- results ------------------------------------------------------------------------------------
 
 
+def decode_sources(decode: servers.VllmServer) -> dict[str, float]:
+    """The decode's prompt tokens so far by where vLLM got them: ``local_compute``,
+    ``local_cache_hit`` (its own prefix cache: a later turn's history) and
+    ``external_kv_transfer`` (pulled from the prefill)."""
+    return {src: decode.metric(BY_SOURCE, source=src) for src in SOURCES}
+
+
 def request_row(records: list[dict[str, Any]], counters: dict[str, float]) -> dict[str, Any]:
     ok = [r for r in records if "error" not in r]
     checked = [r for r in records if "equal" in r]
@@ -269,9 +280,11 @@ def request_row(records: list[dict[str, Any]], counters: dict[str, float]) -> di
         "differed": sum(not r["equal"] for r in checked),
         "pulls": int(counters["pulls"]),
         "pull_failures": int(counters["pull_failures"]),
-        "by_transfer_%": round(100 * counters["by_transfer"] / prompt_tokens, 1)
-        if prompt_tokens
-        else None,
+        **{f"decode_{short}_%": round(100 * counters[src] / prompt_tokens, 1)
+           if prompt_tokens else None
+           for short, src in (("pulled", "external_kv_transfer"),
+                              ("cache_hit", "local_cache_hit"),
+                              ("computed", "local_compute"))},
         "ttft_p50_ms": round(common.percentile(ttft, 50), 1),
         "ttft_p99_ms": round(common.percentile(ttft, 99), 1),
         "rps": round(len(records) / counters["wall_s"], 3),
@@ -283,16 +296,15 @@ def trend_rows(samples: list[dict[str, Any]], warmup_s: float) -> list[dict[str,
     for (metric, proc), points in sorted(series(samples).items()):
         if metric not in METRICS:
             continue  # cumulative counters: their rate is the series
-        unit, floor = METRICS[metric]
         t = trend(points, warmup_s)
         if t is None:
             continue
         rows.append({
             "table": "after the warm-up: least-squares slope and noise per series",
-            "metric": metric, "process": proc, "unit": unit, "points": t.points,
+            "metric": metric, "process": proc, "unit": METRICS[metric][0], "points": t.points,
             "mean": round(t.mean, 2), "first": round(t.first, 2), "last": round(t.last, 2),
             "slope_per_h": round(t.slope_per_h, 3), "noise": round(t.noise, 3),
-            "flat": "yes" if t.flat(floor) else "NO",
+            "flat": "yes" if t.flat(flat_floor(metric, t.mean)) else "NO",
         })  # fmt: skip
     return rows
 
@@ -308,28 +320,40 @@ def write_series(path: Path, samples: list[dict[str, Any]]) -> Path:
 
 
 def plot(samples: list[dict[str, Any]], warmup_s: float, title: str):
+    """One panel per metric, one line per process, a process the same colour in every panel; RSS
+    as the change since the first sample after the warm-up (a leak is a rise, whatever the
+    process's size)."""
+
     def draw(path: Path) -> None:
         import matplotlib.pyplot as plt
 
         by = series(samples)
         panels = [m for m in METRICS if any(k[0] == m for k in by)]
-        cols = 2
-        rows = math.ceil(len(panels) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(12, 2.8 * rows), squeeze=False)
+        procs = sorted({p for _, p in by})
+        colours = plt.get_cmap("tab20")
+        colour = {p: colours(i % 20) for i, p in enumerate(procs)}
+        n_rows = math.ceil((len(panels) + 1) / 2)  # one more: the legend
+        fig, axes = plt.subplots(n_rows, 2, figsize=(12, 2.6 * n_rows), squeeze=False)
         for ax, metric in zip(axes.flat, panels, strict=False):
             for (m, proc), points in sorted(by.items()):
                 if m != metric:
                     continue
-                ax.plot([t / 60 for t, _ in points], [v for _, v in points], marker=".",
-                        markersize=3, linewidth=1, label=proc)  # fmt: skip
+                ys = [v for _, v in points]
+                if metric == "rss_mib":
+                    base = next((v for t, v in points if t >= warmup_s), ys[-1])
+                    ys = [v - base for v in ys]
+                ax.plot([t / 60 for t, _ in points], ys, marker=".", markersize=3, linewidth=1,
+                        color=colour[proc], label=proc)  # fmt: skip
             ax.axvline(warmup_s / 60, color="grey", linestyle=":", linewidth=1)
-            ax.set_title(f"{metric} ({METRICS[metric][0]})", fontsize=9)
-            ax.set_xlabel("minutes (dotted: end of warm-up)", fontsize=8)
+            label = "rss_mib: change since the warm-up" if metric == "rss_mib" else metric
+            ax.set_title(f"{label} ({METRICS[metric][0]})", fontsize=9)
+            ax.set_xlabel("minutes (dotted: end of warm-up)", fontsize=7)
             ax.tick_params(labelsize=7)
-            if len(ax.get_lines()) > 1:
-                ax.legend(fontsize=6, ncol=2)
-        for ax in list(axes.flat)[len(panels) :]:
-            ax.set_visible(False)
+        rest = list(axes.flat)[len(panels) :]
+        for ax in rest:
+            ax.axis("off")
+        handles = [plt.Line2D([], [], color=colour[p], marker=".", label=p) for p in procs]
+        rest[0].legend(handles=handles, loc="center", ncol=3, fontsize=7, frameon=False)
         common.save_figure(fig, path, title)
 
     return draw
@@ -365,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.5)  # vLLM publishes its counters about once a second
         pulls0 = stack.decode.metrics(["mooncake_vllm:pulls_total",
                                        "mooncake_vllm:pull_failures_total"])  # fmt: skip
-        by_transfer0 = tokens_by_transfer(stack.decode)
+        sources0 = decode_sources(stack.decode)
         t0 = time.monotonic()
         with Sampler(stack, args.sample_s) as sampler:
             records = asyncio.run(soak(stack, model, trace, scale, 60 * args.minutes,
@@ -379,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             - pulls0.get("mooncake_vllm:pulls_total", 0.0),
             "pull_failures": pulls1.get("mooncake_vllm:pull_failures_total", 0.0)
             - pulls0.get("mooncake_vllm:pull_failures_total", 0.0),
-            "by_transfer": tokens_by_transfer(stack.decode) - by_transfer0,
+            **{k: v - sources0[k] for k, v in decode_sources(stack.decode).items()},
             "wall_s": wall_s,
         }
     finally:
@@ -405,9 +429,10 @@ def main(argv: list[str] | None = None) -> int:
         f"each loop: the trace's shapes with fresh token content (loop_seed); loop 0 and every "
         f"{args.check_every}th answer after it compared token by token with plain's",
         "per process (psutil): rss_mib, fds, threads, tcp = established TCP sockets; "
-        "'-': the prefill's held_leases, the decode's kv_usage_% and pulls_per_min",
+        "from /metrics: the prefill's held_leases, the decode's kv_usage_%, pulls_per_min and "
+        "pull_failures; decode_*_%: its prompt tokens by source over the prompt tokens sent",
         f"slope and noise (residual std) over samples at or after {args.warmup_s:g} s; flat: "
-        "|slope × span| ≤ 3 × noise, or ≤ 2 for counts",
+        "|slope × span| ≤ 3 × noise, or ≤ 2 for counts, ≤ 1 % of the mean for RSS",
     ]
     title = (
         f"soak: {args.minutes:g} min of trace loops on the pair, sampled every {args.sample_s:g} s"
@@ -416,7 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                                 rows=rows, notes=notes,
                                 plot=plot(samples, args.warmup_s, title))  # fmt: skip
     series_path = write_series(paths.summary.with_name(f"{args.name}-series.json"), samples)
-    common.report(title, rows, [*paths, series_path])
+    print(f"\n## {title}\n\n{tables.tables(rows)}\n")
+    for path in (*paths, series_path):
+        print(f"wrote {path}")
     bad = rows[0]["failed"] or rows[0]["differed"] or rows[0]["pull_failures"]
     not_flat = [f"{r['metric']}:{r['process']}" for r in rows[1:] if r["flat"] != "yes"]
     if not_flat:

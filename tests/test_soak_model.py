@@ -11,6 +11,7 @@ import pytest
 from benchmarks.soak_model import (
     METRICS,
     checked_against_plain,
+    flat_floor,
     loop_seed,
     process_label,
     series,
@@ -78,8 +79,10 @@ def test_over_every_loops_each_request_is_checked_once():
          "prefill/bootstrap"),
         ("proxy", "python", ["/v/bin/python", "/r/proxy/proxy_server.py", "--prefill", "u"],
          "proxy/proxy_server"),
-        ("prefill", "python3.11", ["python3.11", "-c", "from multiprocessing import x"],
-         "prefill/python3.11"),
+        ("decode", "python", ["/v/bin/python", "-B", "-c",
+                              "from multiprocessing.resource_tracker import main;main(31)"],
+         "decode/resource_tracker"),
+        ("prefill", "python3.11", ["python3.11", "-c", "print(1)"], "prefill/python3.11"),
         ("decode", "", [], "decode/unknown"),
     ],
 )  # fmt: skip
@@ -93,16 +96,18 @@ def test_repeated_labels_are_numbered():
 
 def test_samples_become_one_series_per_metric_and_process():
     samples = [
-        {"t_s": 0, "procs": {"d/api": {"rss_mib": 10, "fds": 5}}, "engine": {"held_leases": 0}},
+        {"t_s": 0, "procs": {"d/api": {"rss_mib": 10, "fds": 5}},
+         "engine": {"prefill": {"held_leases": 0}, "decode": {"pulls_per_min": None}}},
         {"t_s": 60, "procs": {"d/api": {"rss_mib": 11, "fds": 5}, "d/new": {"rss_mib": 1}},
-         "engine": {"held_leases": 2, "pulls_per_min": None}},
+         "engine": {"prefill": {"held_leases": 2}, "decode": {"pulls_per_min": 30}}},
         {"t_s": 120, "procs": {}, "engine": {}},  # a reading where nothing answered
     ]  # fmt: skip
     assert series(samples) == {
         ("rss_mib", "d/api"): [(0.0, 10.0), (60.0, 11.0)],
         ("fds", "d/api"): [(0.0, 5.0), (60.0, 5.0)],
         ("rss_mib", "d/new"): [(60.0, 1.0)],
-        ("held_leases", "-"): [(0.0, 0.0), (60.0, 2.0)],
+        ("held_leases", "prefill"): [(0.0, 0.0), (60.0, 2.0)],
+        ("pulls_per_min", "decode"): [(60.0, 30.0)],
     }
 
 
@@ -143,10 +148,24 @@ def test_a_count_that_steps_once_is_flat_at_its_resolution():
     t = trend(minutes([40] * 10 + [41] * 10), warmup_s=0)
     assert 1 < t.drift < 1.5  # a line through one step rises by more than the step
     assert not t.flat()  # a trend against no noise ...
-    assert t.flat(floor=METRICS["fds"][1])  # ... but not a leak of fds
+    assert t.flat(floor=flat_floor("fds", t.mean))  # ... but not a leak of fds
     # One fd every 10 minutes for an hour is one.
     t = trend(minutes([40 + i // 10 for i in range(60)]), warmup_s=0)
-    assert t.drift > 5 and not t.flat(floor=METRICS["fds"][1])
+    assert t.drift > 5 and not t.flat(floor=flat_floor("fds", t.mean))
+
+
+@pytest.mark.parametrize(
+    ("metric", "mean", "floor"),
+    [("fds", 300, 2), ("threads", 5, 2), ("rss_mib", 1800, 18), ("rss_mib", 10, 0.1),
+     ("pull_failures", 0, 0), ("kv_usage_%", 50, 0)],
+)  # fmt: skip
+def test_flat_floors(metric, mean, floor):
+    assert flat_floor(metric, mean) == pytest.approx(floor)
+
+
+def test_every_metric_has_a_unit_and_floors():
+    for unit, units, share in METRICS.values():
+        assert unit and units >= 0 and 0 <= share < 1
 
 
 @pytest.mark.parametrize(
