@@ -311,7 +311,7 @@ def trend_rows(samples: list[dict[str, Any]], warmup_s: float) -> list[dict[str,
 
 def write_series(path: Path, samples: list[dict[str, Any]]) -> Path:
     """The stack's samples by series, one line each (``"metric|process": [[t_s, value], ...]``):
-    small enough to commit beside the summary (an hour at one sample a minute is ~30 KB), so the
+    small enough to commit beside the summary (an hour at one sample a minute is ~60 KB), so the
     published plot can be redrawn and refitted; the per-request records go to the samples file."""
     lines = [f"{json.dumps(f'{m}|{p}')}: {json.dumps(points)}"
              for (m, p), points in sorted(series(samples).items())]  # fmt: skip
