@@ -1,13 +1,17 @@
 """The trace soak's pure half: per-loop salts, which answers are checked against plain, process
-labels, samples turned into series, and the slope and noise that say whether a series is flat."""
+labels, samples turned into series, the slope and noise that say whether a series is flat, and
+the report (rows, series file, plot) drawn from synthetic samples."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
+import matplotlib
 import pytest
 
+from benchmarks import soak_trace
 from benchmarks.soak_model import (
     METRICS,
     checked_against_plain,
@@ -179,3 +183,24 @@ def test_every_metric_has_a_unit_and_floors():
 )
 def test_too_few_points_after_the_warm_up_give_no_trend(points, warmup_s):
     assert trend(points, warmup_s) is None
+
+
+def test_the_report_of_synthetic_samples(tmp_path):
+    """No servers: the rows, the series file and the plot of a leaking and a flat process."""
+    samples = [
+        {"t_s": 60.0 * i,
+         "procs": {"d/Worker": {"rss_mib": 1000 + 2 * i, "fds": 100}, "p/api": {"rss_mib": 600}},
+         "engine": {"prefill": {"held_leases": 0}, "decode": {"pulls": 5.0 * i}}}
+        for i in range(12)
+    ]  # fmt: skip
+    rows = {(r["metric"], r["process"]): r for r in soak_trace.trend_rows(samples, warmup_s=120)}
+    assert set(rows) == {("rss_mib", "d/Worker"), ("fds", "d/Worker"), ("rss_mib", "p/api"),
+                         ("held_leases", "prefill")}  # cumulative pulls: no trend  # fmt: skip
+    leak = rows["rss_mib", "d/Worker"]
+    assert (leak["points"], leak["slope_per_h"], leak["flat"]) == (10, 120.0, "NO")
+    assert rows["rss_mib", "p/api"]["flat"] == rows["fds", "d/Worker"]["flat"] == "yes"
+    written = json.loads(soak_trace.write_series(tmp_path / "s.json", samples).read_text())
+    assert written["rss_mib|d/Worker"][-1] == [660.0, 1022.0]
+    matplotlib.use("Agg")
+    soak_trace.plot(samples, 120, "test")(tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
