@@ -3,7 +3,8 @@ VENV ?= $(or $(MOONCAKE_VLLM_VENV),$(HOME)/.cache/mooncake-vllm/venv)
 PY := $(VENV)/bin/python
 export MOONCAKE_VLLM_VENV := $(VENV)
 
-.PHONY: setup model test test-long test-unit test-drain test-netns test-ray demo demo-pool lint format bench
+.PHONY: setup model test test-long test-unit test-drain test-netns test-ray demo demo-pool lint format bench \
+	soak
 
 setup:
 	@bash scripts/setup.sh
@@ -61,6 +62,13 @@ bench: setup
 	$(PY) -m benchmarks.pool $(BENCH_ARGS)
 	$(PY) -m benchmarks.beside $(BENCH_ARGS)
 	$(PY) -m benchmarks.growth $(BENCH_ARGS)
+
+# An hour of the conversation trace in loops on the README's pair beside a plain vLLM, every
+# process's RSS, fds, threads and sockets sampled each minute (docs/benchmarks.md, "Soak on the
+# trace"); three vLLM starts and SOAK_MINUTES of load, so never part of `make test`.
+SOAK_MINUTES ?= 60
+soak: setup
+	$(PY) -m benchmarks.soak_trace --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
 format: setup
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

@@ -7,6 +7,9 @@ stalls, the share of decode's prompt tokens that arrived by transfer, and the ac
 duration quantiles (bucket upper bounds); from the client: failed requests and TTFT.
 
     python -m benchmarks.soak --full --out-dir benchmarks/results   # 1000 requests (~10 min)
+
+For an hour at steady load with every process's memory, fds, threads and sockets sampled, see
+``benchmarks.soak_trace`` (``make soak``).
 """
 
 from __future__ import annotations
