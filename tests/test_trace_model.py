@@ -198,3 +198,23 @@ def test_routing_regret_counts_tokens_another_engine_held(hash_ids, engines, reg
     scale = Scale(1, 1.0, 1)
     requests = [req(i, h) for i, h in enumerate(hash_ids)]
     assert routing_regret(requests, engines, scale) == regret
+
+
+def test_choices_reads_each_legs_backend_from_the_proxy_log(tmp_path):
+    from benchmarks.trace import choices
+
+    log = tmp_path / "proxy.log"
+    log.write_text(
+        "t INFO mooncake_vllm.proxy.legs: trace-kv-0 prefill http://127.0.0.60:1 -> 200\n"
+        "t INFO mooncake_vllm.proxy.legs: trace-kv-0 decode http://127.0.0.61:2 -> 200\n"
+        "t WARNING mooncake_vllm.proxy.app: trace-kv-1 sent again\n"
+        "t INFO mooncake_vllm.proxy.legs: trace-kv-1 prefill http://127.0.0.60:1 -> 503\n"
+        "t INFO mooncake_vllm.proxy.legs: trace-kv-1 prefill http://127.0.0.62:3 -> 200\n"
+        "t INFO mooncake_vllm.proxy.legs: trace-kvx-2 prefill http://127.0.0.60:1 -> 200\n"
+        "t INFO mooncake_vllm.proxy.legs: warm-kv-0 prefill http://127.0.0.60:1 -> 200\n"
+    )
+    names = {"http://127.0.0.60:1": "prefill0", "http://127.0.0.61:2": "decode0"}
+    assert choices(log, "trace-kv-", names) == {
+        0: {"prefill": "prefill0", "decode": "decode0"},
+        1: {"prefill": "http://127.0.0.62:3"},  # the retried leg's backend; unnamed: its URL
+    }
