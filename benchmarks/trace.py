@@ -1,7 +1,7 @@
 """Replay of a Mooncake trace, scaled to this box: SLO attainment, goodput, and prompt tokens
 computed against the trace's own reuse bound.
 
-    python -m benchmarks.trace [--targets plain,pair,2p2d,pool] [--policy prefix,round_robin]
+    python -m benchmarks.trace [--targets plain,pair,2p2d,pool] [--policy round_robin,prefix,kv]
         [--trace benchmarks/traces/conversation_slice.jsonl] [--length-div 4] [--time-mul 0.05]
         [--requests N] [--out-dir artifacts/bench]
 
@@ -16,8 +16,12 @@ scaled arrival time, but not before the previous turn of the same conversation h
 
 Targets, each started fresh (tiny model, ``--max-model-len`` 4096), one after the other:
 ``plain`` one vLLM; ``pair`` the README's 1P1D with our proxy; ``2p2d`` two prefills and two
-decodes behind our proxy, once per ``--policy`` (passed through to ``--policy``); ``pool`` a
-prefill and a decode on Mooncake Store (``MooncakeStoreConnector``, proxy ``--mode pool``).
+decodes, each publishing its KV events (``--kv-events-config``, ZMQ on an ``ipc://`` socket in
+the run's directory), behind one proxy per ``--policy`` (``kv`` subscribes to the four
+publishers): the policies replay the trace one after the other on the same engines, every
+engine's prefix cache reset (vLLM's ``POST /reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``)
+before each, so none inherits another's cache; ``pool`` a prefill and a decode on Mooncake
+Store (``MooncakeStoreConnector``, proxy ``--mode pool``).
 
 Measures per target: TTFT and TBT (per request, the ``--tbt-quantile`` of its token gaps) SLO
 attainment at ``--ttft-slo-ms`` / ``--tbt-slo-ms``, goodput (requests meeting both per second of the
@@ -25,13 +29,19 @@ replay); prompt tokens computed (every engine's ``vllm:prompt_tokens_by_source_t
 "local_compute"}``) against the bound (tokens in blocks no earlier request had: no system can
 compute fewer), and tokens loaded by transfer (``source="external_kv_transfer"``) against the same
 bound, the least a decode that keeps its cache must pull. Answers are compared with ``plain``'s
-(greedy) when ``plain`` ran in the same invocation.
+(greedy) when ``plain`` ran in the same invocation (or ``--compare-with``'s).
+
+Per request, the proxy's log tells which prefill and decode served it (the replay names each
+request ``X-Request-Id: trace-<policy>-<index>``); from those choices, per pool, the share of
+the busiest engine and the routing regret (``trace_model.routing_regret``: prompt tokens another
+engine held beyond the chosen one's, i.e. recompute or pull the choice added).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import tempfile
 import time
@@ -54,6 +64,7 @@ from benchmarks.trace_model import (
     new_tokens,
     prompt_for,
     request_tbt_ms,
+    routing_regret,
 )
 from harness import servers
 from harness.pd import ServerSpec, client_session, kv_args, sse_events, start_many
@@ -61,6 +72,7 @@ from harness.tiny_model import build_tiny_model
 
 DEFAULT_TRACE = common.REPO_DIR / "benchmarks" / "traces" / "conversation_slice.jsonl"
 TARGETS = ("plain", "pair", "2p2d", "pool")
+POLICIES = ("round_robin", "prefix", "kv")  # 2p2d's proxies, in the order they replay
 MAX_MODEL_LEN = 4096  # the tiny model's position limit
 VOCAB = 2048  # the tiny model's vocabulary
 TE_PORT = 13603
@@ -70,12 +82,13 @@ SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 @dataclass
 class Stack:
-    """One target's running servers: where to send requests, which engines to read, and every
-    process to stop (in reverse)."""
+    """One target's running servers: where to send requests (a proxy per 2p2d policy), which
+    engines to read, and every process to stop (in reverse)."""
 
-    url: str
+    proxies: dict[str, str]  # policy ("" outside 2p2d) -> the URL requests go to
     engines: dict[str, servers.VllmServer]  # role name -> server
     started: list = field(default_factory=list)
+    proxy_logs: dict[str, Path] = field(default_factory=dict)  # policy -> its proxy's log
 
     def stop(self) -> None:
         for s in reversed(self.started):
@@ -89,21 +102,23 @@ def engine_args(*extra: str) -> list[str]:
 def start_proxy(args: list[str], log_dir: Path, name: str, started: list) -> str:
     port = servers.free_port()
     url = f"http://127.0.0.1:{port}"
+    # info: one line per leg names the backend that served it (``choices``).
     argv = [sys.executable, "-m", "mooncake_vllm.proxy.server", *args, "--port", str(port),
-            "--log-level", "warning"]  # fmt: skip
+            "--log-level", "info"]  # fmt: skip
     proc = servers.ManagedProcess(name, argv, log_dir / f"{name}.log").start()
     started.append(proc)
     proc.wait_until(lambda: servers.http_text(f"{url}/health") is not None, 60, "healthy")
     return url
 
 
-def start_target(target: str, policy: str, model: str, workdir: Path, log_dir: Path) -> Stack:
+def start_target(target: str, policies: list[str], model: str, workdir: Path,
+                 log_dir: Path) -> Stack:  # fmt: skip
     started: list = []
     try:
         if target == "plain":
             (srv,) = start_many(model, [ServerSpec("trace-plain", "127.0.0.1", engine_args())],
                                 timeout_s=1200, log_dir=log_dir)  # fmt: skip
-            return Stack(srv.url, {"plain": srv}, [srv])
+            return Stack({"": srv.url}, {"plain": srv}, [srv])
         if target == "pool":
             master = servers.start_mooncake_master(log_dir=log_dir)
             started.append(master)
@@ -120,12 +135,19 @@ def start_target(target: str, policy: str, model: str, workdir: Path, log_dir: P
             started += [p, d]
             url = start_proxy(["--prefill", p.url, "--decode", d.url, "--mode", "pool"], log_dir,
                               "trace-proxy-pool", started)  # fmt: skip
-            return Stack(url, {"prefill0": p, "decode0": d}, started)
+            return Stack({"": url}, {"prefill0": p, "decode0": d}, started,
+                         {"": log_dir / "trace-proxy-pool.log"})  # fmt: skip
         n = 1 if target == "pair" else 2
         config = workdir / "mooncake.json"
         config.write_text(json.dumps({"metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
                                       "device_name": ""}))  # fmt: skip
         env = {"MOONCAKE_CONFIG_PATH": str(config)}
+        if target == "2p2d":
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between policies
+        names = [f"prefill{i}" for i in range(n)] + [f"decode{i}" for i in range(n)]
+        # vLLM binds its publisher only for tcp://*, ipc:// and inproc:// (a tcp://HOST:PORT
+        # endpoint it connects to): a socket file of this run's, reachable from this host only.
+        events = {name: f"ipc://{workdir}/kv-events-{name}.sock" for name in names}
         specs = []
         for role, kv_role, key in (("prefill", "kv_producer", "prefill_url"),
                                    ("decode", "kv_consumer", "decode_url")):  # fmt: skip
@@ -134,16 +156,26 @@ def start_target(target: str, policy: str, model: str, workdir: Path, log_dir: P
                 top: dict[str, Any] = {"engine_id": f"trace-{role}{i}"}
                 if role == "decode":
                     top["kv_load_failure_policy"] = "recompute"
-                specs.append(ServerSpec(f"trace-{target}-{role}{i}", host, engine_args(
-                    *kv_args(kv_role, {key: f"{host}:{TE_PORT}"}, **top)), env))  # fmt: skip
+                args = engine_args(*kv_args(kv_role, {key: f"{host}:{TE_PORT}"}, **top))
+                if target == "2p2d":
+                    args += ["--kv-events-config", json.dumps({
+                        "enable_kv_cache_events": True, "publisher": "zmq",
+                        "endpoint": events[f"{role}{i}"]})]  # fmt: skip
+                specs.append(ServerSpec(f"trace-{target}-{role}{i}", host, args, env))
         engines = start_many(model, specs, timeout_s=1200, log_dir=log_dir)
         started += engines
-        args = ["--policy", policy] if target == "2p2d" else []
-        for i in range(n):
-            args += ["--prefill", engines[i].url, "--decode", engines[n + i].url]
-        url = start_proxy(args, log_dir, f"trace-proxy-{target}", started)
-        names = [f"prefill{i}" for i in range(n)] + [f"decode{i}" for i in range(n)]
-        return Stack(url, dict(zip(names, engines, strict=True)), started)
+        by_name = dict(zip(names, engines, strict=True))
+        stack = Stack({}, by_name, started)
+        for policy in policies if target == "2p2d" else [""]:
+            args = ["--policy", policy] if policy else []
+            for i in range(n):
+                args += ["--prefill", engines[i].url, "--decode", engines[n + i].url]
+            if policy == "kv":
+                args += [f"--kv-events={srv.url}={events[name]}" for name, srv in by_name.items()]
+            name = f"trace-proxy-{target}" + (f"-{policy}" if policy else "")
+            stack.proxies[policy] = start_proxy(args, log_dir, name, started)
+            stack.proxy_logs[policy] = log_dir / f"{name}.log"
+        return stack
     except BaseException:
         for s in reversed(started):
             s.stop()
@@ -151,15 +183,17 @@ def start_target(target: str, policy: str, model: str, workdir: Path, log_dir: P
 
 
 async def one_request(
-    http: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
-) -> dict[str, Any]:
+    http: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int,
+    request_id: str,
+) -> dict[str, Any]:  # fmt: skip
     """One streamed, greedy completion: when each token arrived (s after sending) and its ids."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
     t0 = time.perf_counter()
     times: list[float] = []
     ids: list[int] = []
-    async with http.post(f"{url}/v1/completions", json=body) as resp:
+    headers = {"X-Request-Id": request_id}
+    async with http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
         async for event in sse_events(resp):
@@ -175,9 +209,9 @@ async def one_request(
 
 
 async def replay(url: str, model: str, trace: list[TraceRequest], scale: Scale, slo: Slo,
-                 seed: int, desc: str) -> tuple[list[dict], float]:  # fmt: skip
+                 seed: int, desc: str, id_prefix: str) -> tuple[list[dict], float]:  # fmt: skip
     """Every request of ``trace``, one client per conversation; samples in trace order and the
-    replay's span in seconds."""
+    replay's span in seconds. Request ``i`` is sent as ``X-Request-Id: <id_prefix><i>``."""
     first_ms = min(r.timestamp_ms for r in trace)
     samples: list[dict] = [{} for _ in trace]
     bar = tqdm(total=len(trace), desc=desc, file=sys.stderr)
@@ -196,7 +230,7 @@ async def replay(url: str, model: str, trace: list[TraceRequest], scale: Scale, 
                                      "max_tokens": scale.output_tokens(r)}  # fmt: skip
                 try:
                     got = await one_request(http, url, model, prompt_for(r, scale, VOCAB, seed),
-                                            scale.output_tokens(r))  # fmt: skip
+                                            scale.output_tokens(r), f"{id_prefix}{i}")  # fmt: skip
                     s["ttft_ms"] = got["times_s"][0] * 1000
                     s["tbt_ms"] = request_tbt_ms(got["times_s"], slo.tbt_quantile)
                     s["latency_ms"] = got["times_s"][-1] * 1000
@@ -228,29 +262,86 @@ def moved(after: dict, before: dict) -> dict:
     return after - before
 
 
-def run_target(target: str, policy: str, model: str, trace: list[TraceRequest], scale: Scale,
-               slo: Slo, seed: int, workdir: Path, log_dir: Path) -> dict:  # fmt: skip
+def reset_caches(stack: Stack, timeout_s: float = 60.0) -> None:
+    """Empty every engine's prefix cache (its publisher sends AllBlocksCleared). vLLM refuses
+    while blocks are held (a lease not yet released), so each is retried until it agrees."""
+    for name, srv in stack.engines.items():
+        deadline = time.monotonic() + timeout_s
+        while not servers.http_json(f"{srv.url}/reset_prefix_cache", {}).get("success"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: prefix cache not reset in {timeout_s:.0f}s")
+            time.sleep(0.5)
+
+
+LEG_LINE = re.compile(r" (\S+) (prefill|decode) (http://\S+) -> \d+$")
+
+
+def choices(log: Path, id_prefix: str, urls: dict[str, str]) -> dict[int, dict[str, str]]:
+    """Per request index, the engine (by name) each leg was sent to, from the proxy's log (the
+    last leg of each role wins: a retried leg's answer is the one that served)."""
+    out: dict[int, dict[str, str]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        m = LEG_LINE.search(line)
+        if m and m[1].startswith(id_prefix) and m[1][len(id_prefix) :].isdigit():
+            out.setdefault(int(m[1][len(id_prefix) :]), {})[m[2]] = urls.get(m[3], m[3])
+    return out
+
+
+def run_target(target: str, policies: list[str], model: str, trace: list[TraceRequest],
+               scale: Scale, slo: Slo, seed: int, workdir: Path,
+               log_dir: Path) -> list[dict]:  # fmt: skip
+    """One run per proxy of ``target`` (2p2d: per policy, on the same engines, each after a
+    reset of every engine's prefix cache)."""
     t0 = time.monotonic()
-    stack = start_target(target, policy, model, workdir, log_dir)
-    label = f"{target}:{policy}" if target == "2p2d" else target
-    print(f"{label}: up in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+    stack = start_target(target, policies, model, workdir, log_dir)
+    labels = {p: f"{target}:{p}" if p else target for p in stack.proxies}
+    print(f"{target}: up in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+    runs = []
     try:
         # Warm-up on blocks no trace id maps to (seed + 1): compiles, first connections.
         warm = [TraceRequest(0, 600, 8, (10**9, 10**9 + 1))]
-        asyncio.run(replay(stack.url, model, warm, scale, slo, seed + 1, f"{label} warm-up"))
-        time.sleep(1.5)  # vLLM publishes its counters about once a second
-        before, done_before = by_source(stack), requests_done(stack)
-        samples, span_s = asyncio.run(replay(stack.url, model, trace, scale, slo, seed, label))
-        time.sleep(2.0)
-        sources = moved(by_source(stack), before)
-        done = moved(requests_done(stack), done_before)
+        for policy, url in stack.proxies.items():
+            asyncio.run(replay(url, model, warm, scale, slo, seed + 1, f"{labels[policy]} warm-up",
+                               f"warm-{policy}-"))  # fmt: skip
+        for policy, url in stack.proxies.items():
+            if target == "2p2d":
+                reset_caches(stack)
+            time.sleep(1.5)  # vLLM publishes its counters about once a second
+            before, done_before = by_source(stack), requests_done(stack)
+            samples, span_s = asyncio.run(replay(url, model, trace, scale, slo, seed,
+                                                 labels[policy], f"trace-{policy}-"))  # fmt: skip
+            time.sleep(2.0)
+            sources = moved(by_source(stack), before)
+            done = moved(requests_done(stack), done_before)
+            runs.append({"target": labels[policy], "span_s": span_s, "samples": samples,
+                         "sources": sources, "requests_per_engine": done})  # fmt: skip
     finally:
         stack.stop()
-    return {"target": label, "span_s": span_s, "samples": samples, "sources": sources,
-            "requests_per_engine": done}  # fmt: skip
+    urls = {srv.url: name for name, srv in stack.engines.items()}
+    for policy, run in zip(stack.proxies, runs, strict=False):
+        log = stack.proxy_logs.get(policy)
+        if log is not None and log.exists():
+            for i, legs in choices(log, f"trace-{policy}-", urls).items():
+                run["samples"][i].update(legs)
+    return runs
 
 
-def summarize(runs: list[dict], bound: int, slo: Slo, plain: dict | None) -> list[dict]:
+def pool_stats(samples: list[dict], trace: list[TraceRequest], scale: Scale, role: str) -> dict:
+    """For one pool (``role``), from the per-request choices: the routing regret
+    (``routing_regret``) in tokens and in requests; {} when no choice is known."""
+    chosen = [s.get(role) for s in samples]
+    if all(c is None for c in chosen):
+        return {}
+    order = sorted(range(len(samples)), key=lambda i: samples[i].get("sent_s", 0.0))
+    regret = routing_regret([trace[i] for i in order], [chosen[i] for i in order], scale)
+    return {
+        f"{role}_regret_tokens": sum(regret),
+        f"{role}_regret_requests": sum(1 for r in regret if r),
+    }
+
+
+def summarize(runs: list[dict], bound: int, slo: Slo, plain: dict | None,
+              trace: list[TraceRequest], scale: Scale) -> list[dict]:  # fmt: skip
     """One row per run; answers compared with ``plain``'s run (same trace) when there is one."""
     rows = []
     for run in runs:
@@ -258,7 +349,12 @@ def summarize(runs: list[dict], bound: int, slo: Slo, plain: dict | None) -> lis
         ok = [s for s in samples if "error" not in s]
         computed = sum(v["local_compute"] for v in run["sources"].values())
         pulled = sum(v["external_kv_transfer"] for v in run["sources"].values())
-        decodes = {k: v for k, v in run["requests_per_engine"].items() if not k.startswith("pre")}
+        per_engine = run["requests_per_engine"]
+        shares = {}
+        for role in ("prefill", "decode"):
+            pool = [v for k, v in per_engine.items() if k.startswith(role)]
+            if len(pool) > 1:
+                shares[f"{role}_max_share_%"] = 100 * max(pool) / max(1.0, sum(pool))
         equal = None
         if plain is not None and run is not plain:
             pairs = [(s, p) for s, p in zip(samples, plain["samples"], strict=True)
@@ -277,9 +373,9 @@ def summarize(runs: list[dict], bound: int, slo: Slo, plain: dict | None) -> lis
             "computed_tokens": computed,
             "pulled_tokens": pulled,
             "per_engine": "/".join(f"{int(v)}" for v in run["requests_per_engine"].values()),
-            "decode_max_share_%": 100 * max(decodes.values()) / max(1.0, sum(decodes.values()))
-            if len(decodes) > 1
-            else None,
+            **shares,
+            **pool_stats(samples, trace, scale, "prefill"),
+            **pool_stats(samples, trace, scale, "decode"),
             "equal_to_plain": equal,
             "span_s": run["span_s"],
         })  # fmt: skip
@@ -316,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = common.base_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--targets", default="plain,pair", help=f"comma list of {','.join(TARGETS)}")
-    ap.add_argument("--policy", default="prefix",
-                    help="2p2d: the proxy's --policy, comma list to run several")  # fmt: skip
+    ap.add_argument("--policy", default=",".join(POLICIES),
+                    help="2p2d: the proxies' --policy, comma list, replayed in this order on "
+                    "the same engines (%(default)s)")  # fmt: skip
     ap.add_argument("--requests", type=int, default=None, help="the first N requests only")
     ap.add_argument("--length-div", type=int, default=4)
     ap.add_argument("--time-mul", type=float, default=0.05)
@@ -343,12 +440,14 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = workdir / "logs"
     log_dir.mkdir()
     model = str(build_tiny_model())
+    policies = [p for p in args.policy.split(",") if p]
+    if bad := [p for p in policies if p not in POLICIES]:
+        ap.error(f"--policy: {bad} not in {POLICIES}")
     runs = []
     try:
         for target in targets:
-            for policy in args.policy.split(",") if target == "2p2d" else [""]:
-                runs.append(run_target(target, policy, model, trace, scale, slo, args.seed,
-                                       workdir, log_dir))  # fmt: skip
+            runs += run_target(target, policies, model, trace, scale, slo, args.seed, workdir,
+                               log_dir)  # fmt: skip
     finally:
         servers.stop_all()
     plain = next((r for r in runs if r["target"] == "plain"), None)
@@ -360,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(plain["samples"]) != len(trace):
             ap.error(f"--compare-with {args.compare_with}: its plain run has "
                      f"{len(plain['samples'])} requests, this trace {len(trace)}")  # fmt: skip
-    rows = summarize(runs, bound, slo, plain)
+    rows = summarize(runs, bound, slo, plain, trace, scale)
     settings = {
         "trace": common._display_path(args.trace), "requests": len(trace),
         "conversations": len(conversations(trace)), "length_div": args.length_div,
@@ -383,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         "TBT of a request: the tbt_quantile of its gaps between streamed tokens; goodput: "
         "requests meeting both SLOs per second of replay",
         "per_engine: vllm:request_success_total per engine (prefills, then decodes)",
+        "2p2d: one set of engines; every engine's prefix cache reset before each policy",
+        "<pool>_max_share_%: the busiest engine's share of its pool's requests "
+        "(vllm:request_success_total); <pool>_regret: from the proxy's log, prompt tokens "
+        "(and requests) where another engine of the pool held more of the prompt than the "
+        "chosen one (no eviction assumed; trace_model.routing_regret)",
     ]
     paths = common.write_result(args.out_dir, args.name, settings=settings, samples=runs,
                                 rows=rows, notes=notes, plot=plot(runs, rows, slo))  # fmt: skip

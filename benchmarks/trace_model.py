@@ -205,3 +205,33 @@ def attainment(samples: Sequence[dict[str, Any]], slo: Slo, span_s: float) -> di
         "both_slo_%": 100 * len(both) / n if n else float("nan"),
         "goodput_rps": len(both) / span_s if span_s > 0 else float("nan"),
     }
+
+
+def routing_regret(
+    requests: Sequence[TraceRequest], engines: Sequence[str | None], scale: Scale
+) -> list[int]:
+    """Per request (in the order sent), the prompt tokens some other engine of the pool held
+    beyond what its chosen engine (``engines``, one per request; None: not known) held: the
+    recompute (prefill pool) or the pull (decode pool) its routing added.
+
+    An engine is taken to hold every full block of every prompt sent to it earlier (no
+    eviction); a request reuses the leading run of its full blocks that its engine holds, at
+    most ``(len - 1) // block`` of them (vLLM computes a prompt's last token). 0 when the chosen
+    engine held the most, or the request's engine is not known."""
+    held: dict[str, set[int]] = {}
+    out = []
+    for r, engine in zip(requests, engines, strict=True):
+        n_tokens = scale.input_tokens(r)
+        full = r.hash_ids[: n_tokens // scale.block_tokens]
+        reusable = full[: (n_tokens - 1) // scale.block_tokens]
+
+        def run(blocks: set[int], reusable: tuple[int, ...] = reusable) -> int:
+            return next((i for i, h in enumerate(reusable) if h not in blocks), len(reusable))
+
+        if engine is None:
+            out.append(0)
+            continue
+        best = max((run(blocks) for blocks in held.values()), default=0)
+        out.append((best - run(held.get(engine, set()))) * scale.block_tokens)
+        held.setdefault(engine, set()).update(full)
+    return out

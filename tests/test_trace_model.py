@@ -19,6 +19,7 @@ from benchmarks.trace_model import (
     pick_slice,
     prompt_for,
     request_tbt_ms,
+    routing_regret,
 )
 
 SLICE = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "conversation_slice.jsonl"
@@ -174,3 +175,46 @@ def test_attainment_counts_a_request_meeting_both_slos():
     ]
     got = attainment(samples, Slo(ttft_ms=500, tbt_ms=50), span_s=4.0)
     assert got == {"ttft_slo_%": 60.0, "tbt_slo_%": 60.0, "both_slo_%": 40.0, "goodput_rps": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("hash_ids", "engines", "regret"),
+    [
+        # A later turn sent where its first turn went: nothing lost.
+        ([[1, 2], [1, 2, 3]], ["a", "a"], [0, 0]),
+        # Sent to the other engine: both blocks of its history recomputed (or pulled).
+        ([[1, 2], [1, 2, 3]], ["a", "b"], [0, 1024]),
+        # A new chat sent away from the shared first block loses it; its second turn, sent
+        # where only that shared block is, loses the block of its history held elsewhere.
+        ([[1, 2], [1, 5], [1, 2, 3]], ["a", "b", "b"], [0, 512, 512]),
+        # A prompt's last block is never reused, so holding it elsewhere loses nothing.
+        ([[1, 2], [1, 2]], ["a", "b"], [0, 512]),
+        ([[1], [1]], ["a", "b"], [0, 0]),
+        # Unknown engine: not judged, and it caches nothing anyone can be judged against.
+        ([[1, 2], [1, 2, 3]], [None, "b"], [0, 0]),
+    ],
+)
+def test_routing_regret_counts_tokens_another_engine_held(hash_ids, engines, regret):
+    scale = Scale(1, 1.0, 1)
+    requests = [req(i, h) for i, h in enumerate(hash_ids)]
+    assert routing_regret(requests, engines, scale) == regret
+
+
+def test_choices_reads_each_legs_backend_from_the_proxy_log(tmp_path):
+    from benchmarks.trace import choices
+
+    log = tmp_path / "proxy.log"
+    log.write_text(
+        "t INFO mooncake_vllm.proxy.legs: trace-kv-0 prefill http://127.0.0.60:1 -> 200\n"
+        "t INFO mooncake_vllm.proxy.legs: trace-kv-0 decode http://127.0.0.61:2 -> 200\n"
+        "t WARNING mooncake_vllm.proxy.app: trace-kv-1 sent again\n"
+        "t INFO mooncake_vllm.proxy.legs: trace-kv-1 prefill http://127.0.0.60:1 -> 503\n"
+        "t INFO mooncake_vllm.proxy.legs: trace-kv-1 prefill http://127.0.0.62:3 -> 200\n"
+        "t INFO mooncake_vllm.proxy.legs: trace-kvx-2 prefill http://127.0.0.60:1 -> 200\n"
+        "t INFO mooncake_vllm.proxy.legs: warm-kv-0 prefill http://127.0.0.60:1 -> 200\n"
+    )
+    names = {"http://127.0.0.60:1": "prefill0", "http://127.0.0.61:2": "decode0"}
+    assert choices(log, "trace-kv-", names) == {
+        0: {"prefill": "prefill0", "decode": "decode0"},
+        1: {"prefill": "http://127.0.0.62:3"},  # the retried leg's backend; unnamed: its URL
+    }
