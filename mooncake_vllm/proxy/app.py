@@ -7,8 +7,10 @@ Where to look:
 - ``errors``: the errors a client can get, and what a failed backend call means;
 - ``stream.DecodeStream``: streaming the decode's answer, and when either side goes away;
 - ``health.HealthProber``: the background health prober;
-- ``create_app`` (here): the routes, auth, per-client limits (``limits``), and the error
-  handlers that keep every answer OpenAI-shaped.
+- ``create_app`` (here): the routes, the per-request ``Gate`` (auth, per-client limits
+  (``limits``), request ids), and the error handlers that keep every answer OpenAI-shaped;
+- ``asgi.GenerationDoor``: the two generation paths, served without Quart's per-request
+  machinery (the proxy's hot path); every other route is Quart's.
 
 Failures and what the client sees:
 
