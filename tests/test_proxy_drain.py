@@ -413,30 +413,45 @@ async def test_a_call_waiting_on_a_backend_that_left_goes_to_another_one():
     assert backends.abandon(a) == 0  # nothing left waiting on it
 
 
-async def test_a_cancelled_caller_is_not_retried_and_its_late_answer_is_discarded():
+async def test_a_cancelled_caller_is_not_retried_and_its_call_is_cancelled_with_it():
     backends = _backends()
     a, _ = backends.pools["decode"].backends
     sent: list[str] = []
-    discarded: list[str] = []
-    answer_now = asyncio.Event()
+    cancelled: list[str] = []
 
     async def send(backend, deadline) -> str:
         sent.append(backend.url)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(backend.url)  # where a decode leg closes its response
+            raise
+        return "an open response"
+
+    call = asyncio.create_task(backends.call("decode", _ctx(), send, repeatable=False))
+    await _until(lambda: sent == [a.url])
+    call.cancel()  # the client goes away
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert sent == [a.url] and cancelled == [a.url]
+    assert a.in_flight == 0
+    assert backends.abandon(a) == 0
+
+
+async def test_an_answer_that_arrived_is_the_callers_even_if_it_is_cancelled_next():
+    backends = _backends()
+    answer_now = asyncio.Event()
+
+    async def send(backend, deadline) -> str:
         await answer_now.wait()
         return "an open response"
 
-    call = asyncio.create_task(
-        backends.call("decode", _ctx(), send, repeatable=False, discard=discarded.append)
-    )
-    await _until(lambda: sent == [a.url])
+    call = asyncio.create_task(backends.call("decode", _ctx(), send, repeatable=False))
+    await asyncio.sleep(0)
     answer_now.set()
-    await asyncio.sleep(0)  # the answer has arrived, the call has not resumed yet ...
-    call.cancel()  # ... when the client goes away
-    with pytest.raises(asyncio.CancelledError):
-        await call
-    assert sent == [a.url]
-    assert discarded == ["an open response"]
-    assert backends.abandon(a) == 0
+    await asyncio.sleep(0)  # the answer has arrived: the call returns it in the same step
+    call.cancel()  # too late to drop it: the caller owns the answer and closes it
+    assert (await call).answer == "an open response"
 
 
 async def test_legs_waiting_on_a_backend_that_stopped_listening_go_to_another_one(caplog):

@@ -7,8 +7,10 @@ Where to look:
 - ``errors``: the errors a client can get, and what a failed backend call means;
 - ``stream.DecodeStream``: streaming the decode's answer, and when either side goes away;
 - ``health.HealthProber``: the background health prober;
-- ``create_app`` (here): the routes, auth, per-client limits (``limits``), and the error
-  handlers that keep every answer OpenAI-shaped.
+- ``create_app`` (here): the routes, the per-request ``Gate`` (auth, per-client limits
+  (``limits``), request ids), and the error handlers that keep every answer OpenAI-shaped;
+- ``asgi.GenerationDoor``: the two generation paths, served without Quart's per-request
+  machinery (the proxy's hot path); every other route is Quart's.
 
 Failures and what the client sees:
 
@@ -40,9 +42,10 @@ import time
 from typing import Any
 
 from quart import Quart, Response, g, request
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException
 
 from mooncake_vllm.proxy import concurrent, fanout, legs, prompt_list, rewrite
+from mooncake_vllm.proxy.asgi import Admitted, Answer, GenerationDoor, Incoming, http_error_answer
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.discovery import RegistryFollower
 from mooncake_vllm.proxy.errors import LoadFailed, ProxyError
@@ -63,12 +66,20 @@ def json_response(
     return Response(json.dumps(body), status=status, mimetype="application/json", headers=headers)
 
 
+def quart_response(answer: Answer) -> Response:
+    """An ``Answer`` with a whole body, for a Quart route."""
+    assert isinstance(answer.body, bytes)
+    headers = {k.decode(): v.decode() for k, v in answer.headers}
+    content_type = answer.content_type.decode()
+    return Response(answer.body, status=answer.status, content_type=content_type, headers=headers)
+
+
 # ---- one client request -------------------------------------------------------------------------
 
 
 async def generate(
     backends: Backends, ctx: RequestContext, body: dict[str, Any], raw: bytes
-) -> Response:
+) -> Answer:
     """A completion (``body`` parsed from the client's ``raw`` bytes): the prefill leg, then the
     decode's answer, read whole or streamed.
 
@@ -112,17 +123,14 @@ async def _both_legs(
 
 async def respond(
     backends: Backends, ctx: RequestContext, body: dict[str, Any], leg: legs.OpenDecode
-) -> Response:
+) -> Answer:
     """The client's answer from an open decode leg: read whole, or streamed."""
     if not rewrite.wants_stream(body):
         raw = await legs.read_decode(backends, leg)
         backends.metrics.first_decode_byte_seconds.observe(time.monotonic() - ctx.started_s)
         content_type = leg.response.headers.get("Content-Type", "application/json")
-        return Response(raw, status=leg.response.status, content_type=content_type)
-    stream = DecodeStream(backends, leg, ctx)
-    response = Response(stream, status=leg.response.status, mimetype="text/event-stream")
-    response.headers["Cache-Control"] = "no-cache"
-    return response
+        return Answer(leg.response.status, raw, content_type.encode("latin-1"))
+    return Answer.event_stream(leg.response.status, DecodeStream(backends, leg, ctx))
 
 
 async def models(backends: Backends, ctx: RequestContext) -> Response:
@@ -167,20 +175,8 @@ def create_app(cfg: ProxyConfig) -> Quart:
         else None
     )
     app.extensions["kv_events"] = subscriber  # tests and /health read what it heard
-    # Read once: the key the backends expect when the client's key is not forwarded.
-    env_api_key = os.environ.get("OPENAI_API_KEY") or None
-    # "Bearer <key>" -> the client it names in --client-* limits (never the key itself).
-    client_keys = {f"Bearer {k}".encode(): f"api-key-{i + 1}" for i, k in enumerate(cfg.api_keys())}
-    protected_paths = {p for p, on in (("/metrics", cfg.protect_metrics),
-                                       ("/health", cfg.protect_health)) if on}  # fmt: skip
-    limits = None
-    if cfg.client_max_concurrency is not None or cfg.client_rate is not None:
-        limits = ClientLimits(
-            max_concurrency=cfg.client_max_concurrency,
-            rate_per_s=cfg.client_rate,
-            burst=cfg.client_burst,
-        )
-    app.extensions["client_limits"] = limits
+    gate = Gate(cfg, metrics)
+    app.extensions["client_limits"] = gate.limits
 
     @app.before_serving
     async def _start() -> None:
@@ -200,88 +196,55 @@ def create_app(cfg: ProxyConfig) -> Quart:
         await prober.stop()  # before the session it probes with closes
         await backends.close()
 
+    # The routes Quart serves (all but the generation paths, which ``GenerationDoor`` serves)
+    # pass the same gate and are counted the same way.
+
     @app.before_request
     async def _begin_request() -> Response | None:
-        g.started_s = time.monotonic()
-        g.request_id = rewrite.request_id_from(request.headers.get("X-Request-Id"))
-        g.client_slot = None
-        api = request.path.startswith("/v1/")
-        client = None
-        if client_keys and (api or request.path in protected_paths):
-            client = _authenticated_client(client_keys)
-            if client is None:
-                return _unauthorized()
-        if limits is not None and api:
-            # A key the proxy did not check is no identity: a client could send a new one with
-            # every request. Then the client is its address.
-            admitted = limits.acquire(client or f"address {request.remote_addr}")
-            if isinstance(admitted, Refusal):
-                metrics.client_limited.labels(admitted.reason).inc()
-                return _too_many_requests(admitted)
-            g.client_slot = admitted
-        return None
+        g.admitted = admitted = gate.admit(
+            request.path,
+            request.headers.get("Authorization"),
+            request.headers.get("X-Request-Id"),
+            request.remote_addr,
+        )
+        return quart_response(admitted.refusal) if admitted.refusal is not None else None
 
     @app.teardown_request
     async def _end_request(_: BaseException | None) -> None:
-        # Runs before a streamed body is sent: a DecodeStream has taken its slot over by then.
-        slot = getattr(g, "client_slot", None)
-        if slot is not None:
-            slot.release_unless_handed_over()
+        admitted = getattr(g, "admitted", None)
+        if admitted is not None and admitted.client_slot is not None:
+            admitted.client_slot.release_unless_handed_over()
 
     @app.after_request
     async def _finish_request(response: Response) -> Response:
-        request_id = getattr(g, "request_id", None)
-        if request_id is not None:
-            response.headers["X-Request-Id"] = request_id
+        admitted = getattr(g, "admitted", None)
+        if admitted is not None:
+            response.headers["X-Request-Id"] = admitted.request_id
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        metrics.requests.labels(rule, str(response.status_code)).inc()
+        gate.count(rule, response.status_code)
         return response
 
     _handle_errors(app, cfg)
 
-    def request_context() -> RequestContext:
-        def headers(backend_trusted: bool) -> dict[str, str]:
-            return rewrite.backend_headers(
-                request_id=g.request_id,
-                client_authorization=request.headers.get("Authorization"),
-                forward_client_authorization=not client_keys,
-                env_api_key=env_api_key,
-                backend_trusted=backend_trusted,
-            )
-
-        return RequestContext(
-            g.request_id,
-            g.started_s,
-            request.path,
-            trusted_headers=headers(True),
-            untrusted_headers=headers(False),
-            client_slot=g.client_slot,
-        )
-
-    async def generation() -> Response:
-        raw = await request.get_data(cache=False)
+    async def generation(incoming: Incoming, admitted: Admitted) -> Answer:
         try:
-            body = rewrite.parse_body(raw)
-            rewrite.validate_body(body, request.path)
+            body = rewrite.parse_body(incoming.body)
+            rewrite.validate_body(body, incoming.path)
         except rewrite.InvalidRequest as e:
             raise ProxyError.of(400, e.message, "invalid_request_error", e.param) from e
         # vLLM names its answer after X-Request-Id, else the body's request_id; the proxy sends
         # X-Request-Id on both legs, so it takes the body's when the client sent no header.
         body_request_id = body.get("request_id")
-        if request.headers.get("X-Request-Id") is None and isinstance(body_request_id, str):
-            g.request_id = rewrite.request_id_from(body_request_id)
-        ctx = request_context()
+        if incoming.request_id_header is None and isinstance(body_request_id, str):
+            admitted.request_id = rewrite.request_id_from(body_request_id)
+        ctx = gate.request_context(admitted, incoming.path, incoming.authorization)
         ctx = with_route_keys(ctx, body, cfg.policy)
-        return await generate(backends, ctx, body, raw)
-
-    app.add_url_rule(rewrite.COMPLETIONS_PATH, "completions", generation, methods=["POST"])
-    app.add_url_rule(
-        rewrite.CHAT_COMPLETIONS_PATH, "chat_completions", generation, methods=["POST"]
-    )
+        return await generate(backends, ctx, body, incoming.body)
 
     @app.get("/v1/models")
     async def _models() -> Response:
-        return await models(backends, request_context())
+        ctx = gate.request_context(g.admitted, request.path, request.headers.get("Authorization"))
+        return await models(backends, ctx)
 
     @app.get("/health")
     async def _health() -> Response:
@@ -291,13 +254,104 @@ def create_app(cfg: ProxyConfig) -> Quart:
     async def _metrics() -> Response:
         return Response(metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
+    app.asgi_app = GenerationDoor(  # type: ignore[method-assign]
+        app.asgi_app,
+        gate,
+        generation,
+        max_body_bytes=cfg.max_body_bytes,
+        body_timeout_s=cfg.timeout_s,
+    )
     return app
 
 
-def _authenticated_client(client_keys: dict[bytes, str]) -> str | None:
+class Gate:
+    """What every client request passes before it is served, and how its answer is counted: the
+    API key (``--api-key*``, ``--protect-*``), the ``--client-*`` limits, its request id and the
+    headers its backend calls carry. Quart's hooks and ``GenerationDoor`` both use it."""
+
+    def __init__(self, cfg: ProxyConfig, metrics: ProxyMetrics) -> None:
+        self._metrics = metrics
+        # Read once: the key the backends expect when the client's key is not forwarded.
+        self._env_api_key = os.environ.get("OPENAI_API_KEY") or None
+        # "Bearer <key>" -> the client it names in --client-* limits (never the key itself).
+        self._client_keys = {
+            f"Bearer {k}".encode(): f"api-key-{i + 1}" for i, k in enumerate(cfg.api_keys())
+        }
+        protect = (("/metrics", cfg.protect_metrics), ("/health", cfg.protect_health))
+        self._protected_paths = {path for path, on in protect if on}
+        self.limits = None
+        if cfg.client_max_concurrency is not None or cfg.client_rate is not None:
+            self.limits = ClientLimits(
+                max_concurrency=cfg.client_max_concurrency,
+                rate_per_s=cfg.client_rate,
+                burst=cfg.client_burst,
+            )
+        # (endpoint, status) -> its mooncake_proxy_requests_total child: labels() per request
+        # showed up in profiles.
+        self._counters: dict[tuple[str, int], Any] = {}
+
+    def admit(
+        self,
+        path: str,
+        authorization: str | None,
+        request_id: str | None,
+        remote_addr: str | None,
+    ) -> Admitted:
+        """A request arriving now, with its request id; its ``refusal`` is set for no or a
+        wrong API key (401) and over a ``--client-*`` limit (429)."""
+        admitted = Admitted(rewrite.request_id_from(request_id), time.monotonic())
+        api = path.startswith("/v1/")
+        client = None
+        if self._client_keys and (api or path in self._protected_paths):
+            client = _authenticated_client(self._client_keys, authorization)
+            if client is None:
+                admitted.refusal = _unauthorized()
+                return admitted
+        if self.limits is not None and api:
+            # A key the proxy did not check is no identity: a client could send a new one with
+            # every request. Then the client is its address.
+            slot = self.limits.acquire(client or f"address {remote_addr}")
+            if isinstance(slot, Refusal):
+                self._metrics.client_limited.labels(slot.reason).inc()
+                admitted.refusal = _too_many_requests(slot)
+                return admitted
+            admitted.client_slot = slot
+        return admitted
+
+    def count(self, endpoint: str, status: int) -> None:
+        """Count an answer in ``mooncake_proxy_requests_total``."""
+        counter = self._counters.get((endpoint, status))
+        if counter is None:
+            counter = self._metrics.requests.labels(endpoint, str(status))
+            self._counters[endpoint, status] = counter
+        counter.inc()
+
+    def request_context(
+        self, admitted: Admitted, path: str, client_authorization: str | None
+    ) -> RequestContext:
+        def headers(backend_trusted: bool) -> dict[str, str]:
+            return rewrite.backend_headers(
+                request_id=admitted.request_id,
+                client_authorization=client_authorization,
+                forward_client_authorization=not self._client_keys,
+                env_api_key=self._env_api_key,
+                backend_trusted=backend_trusted,
+            )
+
+        return RequestContext(
+            admitted.request_id,
+            admitted.started_s,
+            path,
+            trusted_headers=headers(True),
+            untrusted_headers=headers(False),
+            client_slot=admitted.client_slot,
+        )
+
+
+def _authenticated_client(client_keys: dict[bytes, str], authorization: str | None) -> str | None:
     """The client named by the request's ``Authorization: Bearer <key>``; None for no or a wrong
     key. Every key is compared, in constant time each."""
-    sent = request.headers.get("Authorization", "").encode()
+    sent = (authorization or "").encode()
     client = None
     for expected, name in client_keys.items():
         if hmac.compare_digest(sent, expected):
@@ -305,19 +359,19 @@ def _authenticated_client(client_keys: dict[bytes, str]) -> str | None:
     return client
 
 
-def _unauthorized() -> Response:
+def _unauthorized() -> Answer:
     body = rewrite.openai_error(
         "missing or wrong API key; send 'Authorization: Bearer <key>'",
         "authentication_error",
         code="invalid_api_key",
     )
-    return json_response(body, 401, {"WWW-Authenticate": "Bearer"})
+    return Answer.json(401, body, ((b"www-authenticate", b"Bearer"),))
 
 
-def _too_many_requests(refusal: Refusal) -> Response:
+def _too_many_requests(refusal: Refusal) -> Answer:
     code = "rate_limit_exceeded" if refusal.reason == "rate" else "concurrency_limit_exceeded"
     body = rewrite.openai_error(refusal.message, "rate_limit_error", code=code)
-    return json_response(body, 429, {"Retry-After": refusal.retry_after_header})
+    return Answer.json(429, body, ((b"retry-after", refusal.retry_after_header.encode()),))
 
 
 def _handle_errors(app: Quart, cfg: ProxyConfig) -> None:
@@ -325,21 +379,16 @@ def _handle_errors(app: Quart, cfg: ProxyConfig) -> None:
 
     @app.errorhandler(ProxyError)
     async def _proxy_error(e: ProxyError) -> Response:
-        logger.info("%s -> %d: %s", g.request_id, e.status, e)
+        logger.info("%s -> %d: %s", g.admitted.request_id, e.status, e)
         return json_response(e.body, e.status)
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException) -> Response:
-        status = e.code or 500
-        if isinstance(e, RequestEntityTooLarge):
-            message = f"request body is larger than {cfg.max_body_bytes} bytes (--max-body-bytes)"
-        else:
-            message = f"{e.name}: {e.description}" if e.description else e.name
-        error_type = "invalid_request_error" if status < 500 else "internal_error"
-        return json_response(rewrite.openai_error(message, error_type), status)
+        return quart_response(http_error_answer(e, cfg.max_body_bytes))
 
     @app.errorhandler(Exception)
     async def _unexpected(e: Exception) -> Response:
-        logger.exception("%s failed", getattr(g, "request_id", "-"))
+        admitted = getattr(g, "admitted", None)
+        logger.exception("%s failed", admitted.request_id if admitted is not None else "-")
         message = f"internal proxy error: {type(e).__name__}"
         return json_response(rewrite.openai_error(message, "internal_error"), 500)

@@ -47,6 +47,8 @@ _CONNECTIONS_PER_BACKEND = 1000
 # most two failing backends before it gets the error (draining ones, which refuse at once, are
 # passed over without counting).
 _ATTEMPTS = 2
+# The message of the cancellation ``Backends.abandon`` sends a call waiting on a backend that left.
+_ABANDONED = "mooncake-proxy: backend left its pool"
 
 T = TypeVar("T")
 
@@ -82,7 +84,7 @@ class InFlight:
     def __init__(self, pool: BackendPool, backend: Backend, metrics: ProxyMetrics) -> None:
         self._pool = pool
         self._backend = backend
-        self._gauge = metrics.in_flight.labels(pool.role, backend.url)
+        self._gauge = metrics.in_flight_of(pool.role, backend.url)
         self._released = False
         pool.begin(backend)
         self._gauge.set(backend.in_flight)
@@ -230,29 +232,28 @@ class Backends:
         waiting = self._waiting.pop(backend, set())
         for task in waiting:
             self._abandoned.add(task)
-            task.cancel()
+            task.cancel(_ABANDONED)
         return len(waiting)
 
-    async def _answer(
-        self,
-        backend: Backend,
-        call: Awaitable[T],
-        role: str,
-        discard: Callable[[T], object] | None,
-    ) -> T:
-        """``call``'s result, run as a task ``abandon`` can cancel; an abandoned call raises
-        ``drain.BackendDraining``. A result that arrives as the caller is cancelled goes to
-        ``discard``."""
-        task = asyncio.ensure_future(call)
+    async def _answer(self, backend: Backend, call: Awaitable[T], role: str) -> T:
+        """``call``'s result, awaited in the caller's task, which ``abandon`` may cancel while
+        it waits; an abandoned call raises ``drain.BackendDraining``.
+
+        No task of its own: a task per backend call showed up in the proxy's profile. The
+        cancellation ``abandon`` sends carries ``_ABANDONED`` as its message; any other (the
+        client went away) passes through, as does ours when the task was also cancelled by
+        someone else meanwhile.
+        """
+        task = asyncio.current_task()
+        assert task is not None
         waiting = self._waiting.setdefault(backend, set())
         waiting.add(task)
         try:
-            return await task
-        except asyncio.CancelledError:
-            if task not in self._abandoned:  # the caller was cancelled (the client went away)
-                answered = task.done() and not task.cancelled() and task.exception() is None
-                if answered and discard is not None:
-                    discard(task.result())
+            return await call
+        except asyncio.CancelledError as e:
+            if task not in self._abandoned or e.args != (_ABANDONED,):
+                raise
+            if task.uncancel() > 0:  # cancelled for another reason too: that one wins
                 raise
             raise drain.BackendDraining(role, backend.url, drain.LEFT) from None
         finally:
@@ -270,7 +271,6 @@ class Backends:
         send: Callable[[Backend, LegDeadline], Awaitable[T]],
         *,
         repeatable: bool,
-        discard: Callable[[T], object] | None = None,
     ) -> Attempt[T]:
         """``send(backend, deadline)`` to a healthy backend of the ``role`` pool, failing over once.
 
@@ -282,8 +282,8 @@ class Backends:
         just be busy. Each failure is counted, and a connection failure or a refusal ejects the
         backend. Raises ProxyError: 502 when the backends failed, 503 when the pool had no
         healthy backend to begin with; both as ``PoolExhausted`` when no backend tried acted on
-        the call. ``discard`` gets an answer that arrives as the call is cancelled (an open
-        response to close).
+        the call. ``send`` cleans up after itself when it is cancelled (the client went away):
+        it runs in the caller's task, so an answer it returned is never dropped.
         """
         pool = self.pools[role]
         tried: list[Backend] = []
@@ -296,7 +296,7 @@ class Backends:
             deadline = LegDeadline.of(self.cfg, ctx.started_s, prefill=pool.role == "prefill")
             in_flight = InFlight(pool, backend, self.metrics)
             try:
-                answer = await self._answer(backend, send(backend, deadline), pool.role, discard)
+                answer = await self._answer(backend, send(backend, deadline), pool.role)
             except BaseException as e:  # a cancelled call gives its in-flight count back too
                 in_flight.release()
                 failure = classify(e, pool.role, backend.url, deadline)

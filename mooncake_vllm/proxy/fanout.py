@@ -14,9 +14,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from quart import Response
-
 from mooncake_vllm.proxy import legs, prompt_list, rewrite
+from mooncake_vllm.proxy.asgi import Answer
 from mooncake_vllm.proxy.errors import ProxyError
 from mooncake_vllm.proxy.failover import Backends, RequestContext, with_route_keys
 from mooncake_vllm.proxy.legs import OpenDecode
@@ -29,7 +28,7 @@ T = TypeVar("T")
 
 async def generate_each_prompt(
     backends: Backends, ctx: RequestContext, body: dict[str, Any], prompts: list[Any]
-) -> Response:
+) -> Answer:
     """Serve ``body``, whose ``prompt`` is the list ``prompts``, prompt by prompt."""
     plan = prompt_list.plan(prompts)
     bodies = [prompt_list.body_for(body, prompt) for prompt in plan.distinct]
@@ -49,7 +48,7 @@ async def generate_each_prompt(
         if not stream:
             merged = prompt_list.merge_answers(await _all_or_none(answers, lambda _: None))
             backends.metrics.first_decode_byte_seconds.observe(time.monotonic() - ctx.started_s)
-            return Response(rewrite.encode_json(merged), 200, content_type="application/json")
+            return Answer(200, rewrite.encode_json(merged))
         decodes: list[OpenDecode] = await _all_or_none(answers, legs.close_decode)
     finally:
         for task in prefills:  # only left running when a decode failed first
@@ -57,11 +56,7 @@ async def generate_each_prompt(
         await asyncio.gather(*prefills, return_exceptions=True)
     choices_per_prompt = body.get("n") or 1
     merge = prompt_list.StreamMerge(len(prompts), choices_per_prompt)
-    response = Response(
-        MergedStream(backends, decodes, ctx, merge), status=200, mimetype="text/event-stream"
-    )
-    response.headers["Cache-Control"] = "no-cache"
-    return response
+    return Answer.event_stream(200, MergedStream(backends, decodes, ctx, merge))
 
 
 def _context_for(backends: Backends, ctx: RequestContext, body: dict[str, Any]) -> RequestContext:

@@ -90,7 +90,7 @@ async def prefill(
         return PrefillOutcome(None, None)
     backend, reply = attempt.backend, attempt.answer
     backends.prefill_served(backend.url)
-    backends.metrics.prefill_seconds.labels(backend.url).observe(reply.took_s)
+    backends.metrics.prefill_seconds_of(backend.url).observe(reply.took_s)
     if 200 <= reply.status < 300:
         backend.record_prefill(reply.took_s, reply.bytes_in_flight)
     logger.info("%s prefill %s -> %d", ctx.request_id, backend.url, reply.status)
@@ -175,10 +175,7 @@ async def open_decode(backends: Backends, ctx: RequestContext, body: bytes) -> O
             resp.close()
             raise
 
-    def close(answer: tuple[aiohttp.ClientResponse, bytes]) -> None:
-        answer[0].close()  # vLLM sees the connection go and aborts the request
-
-    attempt = await backends.call("decode", ctx, send, repeatable=False, discard=close)
+    attempt = await backends.call("decode", ctx, send, repeatable=False)
     resp, head = attempt.answer
     logger.info("%s decode %s -> %d", ctx.request_id, attempt.backend.url, resp.status)
     return OpenDecode(

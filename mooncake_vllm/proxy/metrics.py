@@ -86,12 +86,29 @@ class ProxyMetrics:
             ["how"],
             registry=self.registry,
         )
+        self._in_flight_children: dict[tuple[str, str], Gauge] = {}
+        self._prefill_children: dict[str, Histogram] = {}
         for how in ("local", "reloaded", "concurrent", "sequential", "queued", "resent"):
             self.dispatched.labels(how)
         for reason in ("concurrency", "rate"):
             self.client_limited.labels(reason)
         for reason in ("unsigned", "bad_signature", "invalid"):
             self.registry_records_ignored.labels(reason)
+
+    def in_flight_of(self, role: str, url: str) -> Gauge:
+        """``in_flight``'s child for one backend, kept: ``labels()`` per call showed up in the
+        proxy's profile."""
+        child = self._in_flight_children.get((role, url))
+        if child is None:
+            child = self._in_flight_children[role, url] = self.in_flight.labels(role, url)
+        return child
+
+    def prefill_seconds_of(self, url: str) -> Histogram:
+        """``prefill_seconds``' child for one prefill, kept (as ``in_flight_of``)."""
+        child = self._prefill_children.get(url)
+        if child is None:
+            child = self._prefill_children[url] = self.prefill_seconds.labels(url)
+        return child
 
     def declare_backends(self, role: str, urls: Iterable[str]) -> None:
         """Export zeros for every backend so dashboards see them before the first event."""
