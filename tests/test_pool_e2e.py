@@ -15,6 +15,7 @@ import time
 from functools import partial
 
 import pytest
+from conftest import PREFILL_BATCHED_TOKENS
 
 from harness.pd import (
     POOL_COUNTERS,
@@ -33,6 +34,7 @@ from harness.servers import start_mooncake_master
 pytestmark = pytest.mark.servers
 
 MAX_TOKENS = 8
+LONG_MODEL_LEN = 16_384  # the shared cluster's: its plain vLLM answers the long prompts too
 # 200–1400 tokens as in the issue, plus block boundaries (CPU block: 128) and short prompts.
 LENGTHS = [1, 5, 127, 128, 129, 200, 255, 256, 257, 300, 383, 450, 511, 512, 513, 640, 700,
            769, 900, 1000, 1023, 1025, 1200, 1400]  # fmt: skip
@@ -50,10 +52,15 @@ def pool(cluster, tmp_path_factory):
     def spec(name: str, host: str, kv_args: list[str], **extra_env: str) -> ServerSpec:
         path = user_json(cfg / f"{name}.json", host, master)
         env = {**VLLM_DEFAULTS, "MOONCAKE_CONFIG_PATH": str(path), **extra_env}
-        return ServerSpec(name, host, kv_args, env)
+        return ServerSpec(name, host, kv_args, env, max_model_len=LONG_MODEL_LEN)
 
     specs = [
-        spec("pool-prefill", HOSTS[0], pool_args("kv_both", {})),
+        # Chunked prefill spelled out: a long prompt is computed (and put) over several steps.
+        spec(
+            "pool-prefill",
+            HOSTS[0],
+            [*pool_args("kv_both", {}), "--max-num-batched-tokens", str(PREFILL_BATCHED_TOKENS)],
+        ),
         spec("pool-decode1", HOSTS[1], pool_args("kv_both", {})),
         # The explicit form, with vLLM's plugins off, as a consumer only.
         spec(
@@ -158,6 +165,25 @@ async def test_a_second_decode_reuses_prompts_prefilled_earlier(pool, http):
     assert tokens_by_transfer(decode2) - ext0 >= len(turn1) // 128 * 128
     d = POOL_COUNTERS.since(decode2, decode2_0)
     assert (d["load_failures"], d["put_blocks"]) == (0, 0)  # kv_consumer: gets only
+
+
+@pytest.mark.parametrize("length", [4096, 8192, 15_000])
+async def test_a_long_prompt_comes_whole_from_the_pool(pool, http, length):
+    """4k, 8k and 15k tokens (the prefill computes them in chunks of 2 048) through the minimal
+    proxy: token-equal to plain, ≥ 99 % of the prompt from the pool, no failed put or load."""
+    model, prefill, decode = pool["model"], pool["prefill"], pool["decode1"]
+    [prompt] = prompts(seed=length, lengths=[length])
+    ref = await complete(http, pool["plain"], body(model, prompt))
+    prefill0, decode0 = POOL_COUNTERS.read(prefill), POOL_COUNTERS.read(decode)
+    ext0 = tokens_by_transfer(decode)
+    got = await minimal_proxy(http, prefill, decode, body(model, prompt, stream=True))
+    assert got.token_ids == ref.token_ids
+    ext = tokens_by_transfer(decode) - ext0
+    print(f"{length} tokens: {ext:.0f} from the pool ({100 * ext / length:.1f} %)")
+    assert ext >= 0.99 * length
+    for srv, before in ((prefill, prefill0), (decode, decode0)):
+        failed = POOL_COUNTERS.since(srv, before)
+        assert (failed["load_failures"], failed["put_failures"]) == (0, 0), srv.process.name
 
 
 async def test_master_killed_requests_recompute_and_the_pool_returns_with_it(pool, http):
