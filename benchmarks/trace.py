@@ -184,15 +184,16 @@ def start_target(target: str, policies: list[str], model: str, workdir: Path,
 
 async def one_request(
     http: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int,
-    request_id: str,
+    request_id: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One streamed, greedy completion: when each token arrived (s after sending) and its ids."""
+    """One streamed, greedy completion: when each token arrived (s after sending) and its ids.
+    ``request_id`` goes out as ``X-Request-Id`` (the replay reads each leg's choice by it)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
     t0 = time.perf_counter()
     times: list[float] = []
     ids: list[int] = []
-    headers = {"X-Request-Id": request_id}
+    headers = {"X-Request-Id": request_id} if request_id else {}
     async with http.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
