@@ -376,12 +376,21 @@ def start_vllm(
 
 @dataclass(eq=False)
 class KvServer:
-    """redis-server or etcd on loopback with a throwaway data dir."""
+    """A metadata store (etcd, redis-server or our http one) with a throwaway data dir."""
 
     process: ManagedProcess
     host: str
     port: int
     data_dir: Path
+    kind: str  # "etcd", "redis" or "http"
+
+    @property
+    def url(self) -> str:
+        """The store as ``metadata_server`` and ``proxy_server.py --discover`` take it."""
+        where = f"{self.host}:{self.port}"
+        return {"etcd": f"etcd://{where}", "redis": f"redis://{where}"}.get(
+            self.kind, f"http://{where}/metadata"
+        )
 
     def stop(self) -> None:
         self.process.stop()
@@ -422,7 +431,7 @@ def start_redis(
     log = (log_dir or default_log_dir()) / f"redis-{host}-{port}.log"
     proc = ManagedProcess("redis-server", argv, log).start()
     proc.wait_until(lambda: _port_open(host, port), 30, "accepting connections")
-    return KvServer(proc, host, port, data_dir)
+    return KvServer(proc, host, port, data_dir, "redis")
 
 
 def start_etcd(
@@ -462,7 +471,7 @@ def start_etcd(
     proc = ManagedProcess("etcd", argv, log).start()
     context = _client_context(tls) if tls is not None else None
     proc.wait_until(lambda: _http_ok(f"{client_url}/health", context=context), 30, "healthy")
-    return KvServer(proc, host, port, data_dir)
+    return KvServer(proc, host, port, data_dir, "etcd")
 
 
 def start_http_metadata(
@@ -492,7 +501,7 @@ def start_http_metadata(
     log = (log_dir or default_log_dir()) / f"{name}-{host}-{port}.log"
     proc = ManagedProcess(name, argv, log, env=env).start()
     proc.wait_until(lambda: _port_open(host, port), 30, "accepting connections")
-    return KvServer(proc, host, port, data_dir)
+    return KvServer(proc, host, port, data_dir, "http")
 
 
 @dataclass(eq=False)

@@ -332,15 +332,6 @@ def _store_server(kind: str):
     }[kind]()
 
 
-def _store_url(kind: str, srv) -> str:
-    where = f"{srv.host}:{srv.port}"
-    return {
-        "etcd": f"etcd://{where}",
-        "redis": f"redis://{where}",
-        "http": f"http://{where}/metadata",
-    }[kind]
-
-
 @pytest.fixture(scope="module")
 def fake_backends():
     """Three instant OpenAI-shaped backends (``benchmarks.fake_backend``), started together."""
@@ -368,7 +359,7 @@ async def test_proxy_follows_the_registry(kind, fake_backends, log_on_failure):
     store_srv = _store_server(kind)
     log_on_failure(store_srv)
     static_prefill, prefill_url, decode_url = fake_backends
-    store_url = _store_url(kind, store_srv)
+    store_url = store_srv.url
     store = open_store(parse_metadata_server(store_url))
     proxy = None
     try:
@@ -420,7 +411,7 @@ async def test_proxy_follows_the_registry(kind, fake_backends, log_on_failure):
 @pytest.mark.servers
 async def test_listing_on_mooncakes_http_server_says_discovery_needs_ours():
     with servers.running(servers.start_http_metadata(mooncakes=True)) as srv:
-        store = open_store(parse_metadata_server(_store_url("http", srv)))
+        store = open_store(parse_metadata_server(srv.url))
         try:
             with pytest.raises(StoreUnavailable, match="cannot list keys"):
                 await store.list(SERVING_PREFIX)

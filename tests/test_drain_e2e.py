@@ -160,13 +160,20 @@ async def _stop_under_load(
     proc = prefill.process
     log_offset = proc.log_path.stat().st_size  # the log holds the engine's earlier lives too
 
+    sent_after = 0
+
     async def client(http) -> None:
-        nonlocal sent_before
+        nonlocal sent_before, sent_after
         for i in queue:
-            if exited.is_set():
+            # Load goes on until the prefill is gone and a round of requests has been sent
+            # after the signal: a SIGKILLed prefill is gone before the requests in flight at
+            # the signal have ended, and what follows it must be answered too.
+            if exited.is_set() and sent_after >= CONCURRENCY:
                 return
             if signalled_s is None:
                 sent_before += 1
+            else:
+                sent_after += 1
             body = greedy_body(model, prompts[i], MAX_TOKENS, stream=i % 2 == 1)
             try:
                 answers[i] = (await complete(http, proxy.url, body)).token_ids

@@ -208,7 +208,7 @@ async def test_etcd_refuses_wrong_or_missing_credentials(etcd, files, case, expe
 async def test_a_user_for_an_etcd_without_authentication_is_an_error(module_servers, files):
     """Credentials the store ignores would make the operator believe the keys are protected."""
     srv = module_servers(servers.start_etcd)
-    target = parse_metadata_server(f"etcd://{srv.host}:{srv.port}")
+    target = parse_metadata_server(srv.url)
     auth = MetadataAuth(user="root", password_file=files["root_password"])
     assert "etcd has authentication off; enable it" in await _refusal(target, auth)
 
@@ -309,7 +309,7 @@ def http_with_token(module_servers, files):
     srv = module_servers(
         servers.start_http_metadata, extra_args=["--token-file", files["http_token"]]
     )
-    return parse_metadata_server(f"http://{srv.host}:{srv.port}/metadata")
+    return parse_metadata_server(srv.url)
 
 
 async def test_http_metadata_server_with_a_token(http_with_token, files, monkeypatch):

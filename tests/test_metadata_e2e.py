@@ -76,11 +76,8 @@ class Pair:
         # The user's example file, pointed at the store this test started.
         cfg = json.loads((CONFIGS / f"mooncake-tcp-{kind}.json").read_text())
         where = f"{self.store_server.host}:{self.store_server.port}"
-        cfg["metadata_server"] = {
-            "etcd": where,  # the seed's bare form, read with metadata_backend
-            "redis": f"redis://{where}",
-            "http": f"http://{where}/metadata",
-        }[kind]
+        # etcd in the seed's bare form, read with metadata_backend
+        cfg["metadata_server"] = where if kind == "etcd" else self.store_server.url
         cfg["prefill_url"] = f"{PREFILL_HOST}:{self.prefill_port}"
         cfg["decode_url"] = f"{DECODE_HOST}:{self.decode_port}"
         cfg["metadata_ttl_s"] = METADATA_TTL_S
@@ -144,12 +141,7 @@ class Pair:
     @property
     def store_url(self) -> str:
         """The store as ``proxy_server.py --discover`` takes it."""
-        where = f"{self.store_server.host}:{self.store_server.port}"
-        return {
-            "etcd": f"etcd://{where}",
-            "redis": f"redis://{where}",
-            "http": f"http://{where}/metadata",
-        }[self.kind]
+        return self.store_server.url
 
     def engine_keys(self) -> list[str]:
         """What each engine's bridge keeps in the store: its registry record and its transfer

@@ -101,13 +101,12 @@ class Hosts:
 def _start_store(net, store: str):
     """The engines' metadata store on the ``meta`` host: the server and its ``metadata_server``."""
     where, prefix = net.hosts["meta"].address, net.argv("meta", [])
+    start, port = {"etcd": (start_etcd, 2379), "redis": (start_redis, 6379)}.get(
+        store, (start_http_metadata, 8080)
+    )
     with net.entered("client"):  # the health check's thread
-        if store == "etcd":
-            return start_etcd(where, 2379, prefix=prefix), f"etcd://{where}:2379"
-        if store == "redis":
-            return start_redis(where, 6379, prefix=prefix), f"redis://{where}:6379"
-        server = start_http_metadata(where, 8080, prefix=prefix)
-        return server, f"http://{where}:8080/metadata"
+        server = start(where, port, prefix=prefix)
+    return server, server.url
 
 
 @pytest.fixture(scope="module")

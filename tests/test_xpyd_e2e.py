@@ -214,7 +214,7 @@ def xpyd(tiny_model, cluster, tmp_path_factory):
     """Four engines, a proxy discovering them; the references come from the shared cluster's
     plain server (same model), so no fifth vLLM starts here."""
     etcd = servers.start_etcd()
-    etcd_url = f"etcd://{etcd.host}:{etcd.port}"
+    etcd_url = etcd.url
     where = tmp_path_factory.mktemp("xpyd")
     secret = where / "secret"
     secret.write_text(auth.new_secret() + "\n")
