@@ -204,3 +204,65 @@ def test_the_report_of_synthetic_samples(tmp_path):
     matplotlib.use("Agg")
     soak_trace.plot(samples, 120, "test")(tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+# ---- the request path, against fake OpenAI servers ----------------------------------------------
+
+
+def _fake_openai(offset: int):
+    """A streaming /v1/completions that answers ``max_tokens`` ids computed from the prompt (plus
+    ``offset``: a server that answers differently), in two events, as vLLM streams them."""
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        assert body["stream"] and body["return_token_ids"] and body["temperature"] == 0
+        ids = [(sum(body["prompt"]) + k + offset) % 997 for k in range(body["max_tokens"])]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for part in (ids[:1], ids[1:]):
+            event = {"choices": [{"index": 0, "text": "x", "token_ids": part}]}
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+@pytest.mark.parametrize("proxy_offset", [0, 1])
+async def test_soak_sends_every_request_and_checks_the_chosen_ones_against_plain(proxy_offset):
+    """``soak_trace.soak`` end to end on fakes (its request path had no test: a signature drift in
+    ``trace.one_request`` broke ``make soak`` unseen): every request of every loop is sent and
+    timed, loop 0's answers and every ``check_every``-th after are compared with plain's, and a
+    proxy answering differently shows as unequal, not as an error."""
+    from types import SimpleNamespace
+
+    from harness.local_proxy import start_app
+
+    runners = []
+    try:
+        urls = {}
+        for name, offset in (("proxy", proxy_offset), ("plain", 0)):
+            runner, port = await start_app(_fake_openai(offset))
+            runners.append(runner)
+            urls[name] = SimpleNamespace(url=f"http://127.0.0.1:{port}")
+        stack = SimpleNamespace(**urls)
+        # Two conversations (their first two hash ids), three requests, 50 ms apart.
+        trace = [TraceRequest(0, 1024, 40, (0, 1)), TraceRequest(50, 1024, 40, (0, 2)),
+                 TraceRequest(100, 1536, 40, (0, 1, 3))]  # fmt: skip
+        scale = Scale(length_div=8, time_mul=1.0, max_output_tokens=4)
+        records = await soak_trace.soak(stack, "m", trace, scale, duration_s=0.42,
+                                        loop_gap_s=0.05, check_every=2, seed=3)  # fmt: skip
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert len(records) == 9  # three loops of 0.15 s in 0.42 s, three requests each
+    assert not [r for r in records if "error" in r]
+    assert {r["loop"] for r in records} == {0, 1, 2}
+    assert all(r["ttft_ms"] <= r["latency_ms"] for r in records)
+    checked = [r for r in records if "equal" in r]
+    expected = [r for r in records if checked_against_plain(r["loop"], r["index"], 2)]
+    assert checked == expected and len(checked) > 3
+    assert all(r["equal"] == (proxy_offset == 0) for r in checked)
