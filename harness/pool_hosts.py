@@ -6,7 +6,7 @@ write, a ``mooncake_master`` started as the README starts it (its http metadata 
 ``kv_transfer_params``). Decode 2 then gets the same
 prompts: it has seen none of them, so they must come from the pool.
 
-    python -m harness.pool_hosts [--runs N] [--requests 12] [--client-ttl S]
+    python -m harness.pool_hosts [--runs N] [--requests 12] [--client-ttl S] [--fresh]
 
 Prints, per run: answers token-equal to plain, decode 1's prompt tokens by transfer, decode 2's
 share from the pool, and the pool's failure counters. Exit 1 if any run misses its marks.
@@ -34,6 +34,7 @@ from harness.pd import (
     greedy_body,
     minimal_proxy,
     reference_spec,
+    start_many,
     start_with_master,
     tokens_by_transfer,
 )
@@ -174,27 +175,41 @@ def main() -> int:
         "--harness-threads", action="store_true",
         help="the harness's unbound single-threaded vLLMs, not vLLM's default core binding",
     )  # fmt: skip
+    ap.add_argument(
+        "--fresh", action="store_true",
+        help="a new master and new engines for every run, requests sent the moment they are up "
+        "(the plain vLLM stays): the pool's stalled gets came in the first seconds",
+    )  # fmt: skip
     args = ap.parse_args()
     model = str(build_tiny_model())
     work = Path(tempfile.mkdtemp(prefix="mooncake-vllm-pool-hosts-"))
-    log_dir = work / "logs"
-    master = user_master(log_dir, args.client_ttl)
     env = None if args.harness_threads else VLLM_DEFAULTS
-    specs = [*engine_specs(master, work, env), reference_spec("plain")]
-    t0 = time.monotonic()
-    servers = start_with_master(model, master, specs)
-    print(f"started in {time.monotonic() - t0:.0f} s; logs in {log_dir}")
-    prefill, decode1, decode2, plain = servers
-    bad = 0
+    (plain,) = start_many(model, [reference_spec("plain")])
+    bad, pool = 0, None
     try:
         for run in range(args.runs):
+            if pool is None or args.fresh:
+                log_dir = work / f"run{run + 1}" / "logs"
+                master = user_master(log_dir, args.client_ttl)
+                t0 = time.monotonic()
+                engines = start_with_master(model, master, engine_specs(master, work, env))
+                pool = (master, engines)
+                print(f"started in {time.monotonic() - t0:.0f} s; logs in {log_dir} and the "
+                      "engines' in the harness's log directory", flush=True)  # fmt: skip
+            prefill, decode1, decode2 = pool[1]
             result = asyncio.run(one_run(model, plain, prefill, decode1, decode2, 100 + run,
                                          args.requests))  # fmt: skip
             bad += not result.ok()
             print(f"run {run + 1}: {result.line()}", flush=True)
+            if args.fresh or run == args.runs - 1:
+                for srv in [*pool[1], pool[0]]:
+                    srv.stop()
+                pool = None
     finally:
-        for srv in [*servers, master]:
-            srv.stop()
+        if pool is not None:
+            for srv in [*pool[1], pool[0]]:
+                srv.stop()
+        plain.stop()
     return 1 if bad else 0
 
 
