@@ -474,6 +474,30 @@ class EngineCoreHandle:
         )
 
 
+class Rests:
+    """A scheduler half's rests and wake-ups. ``rest`` (the engine core's thread, inside a step)
+    waits until a request arrives or ``wake`` (any thread) is called; a ``wake`` that came since
+    the last rest ends the next one at once, since vLLM may have taken its no-op request off the
+    queue already. Without an engine core ``wake`` only records the event."""
+
+    def __init__(self, engine_core: EngineCoreHandle | None):
+        self.engine_core = engine_core
+        self._woken = threading.Event()
+
+    def rest(self) -> None:
+        if self._woken.is_set():
+            self._woken.clear()
+            return
+        if self.engine_core is not None:
+            self.engine_core.rest(self._woken)
+        self._woken.clear()
+
+    def wake(self) -> None:
+        self._woken.set()
+        if self.engine_core is not None:
+            self.engine_core.wake()
+
+
 def _watchdog_paused() -> contextlib.AbstractContextManager:
     """vLLM 0.33's engine-core watchdog (``--watchdog-config``, off unless ``dump_dir`` is set)
     dumps every thread's stack when a step has not begun for ``timeout`` s; vLLM pauses it while

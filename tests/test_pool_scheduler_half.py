@@ -185,3 +185,57 @@ def test_a_consumer_only_instance_saves_nothing():
         ).saves
         == []
     )
+
+
+class FakeEngineCore:
+    """``vllm_glue.EngineCoreHandle``'s surface: counts rests and wake-ups."""
+
+    def __init__(self, busy=False):
+        self.busy, self.rests, self.wakes = busy, 0, 0
+
+    def busy_with_others(self, ours=()):
+        return self.busy
+
+    def rest(self, woken, timeout_s=2.0):
+        self.rests += 1
+
+    def wake(self):
+        self.wakes += 1
+
+
+def test_while_only_loads_are_pending_vllm_rests_until_a_worker_says_one_ended():
+    """Stepping every 2 ms while a load ran kept the decode's worker spinning beside the get's
+    own spin, and starved the holder's store threads on a 2-core host (docs/pool.md, Stalls)."""
+    import os
+    import time
+
+    from mooncake_vllm.p2p.local_channels import WakeSender
+
+    endpoint = f"ipc://@mooncake-vllm-test/pool/{os.getpid()}/wake"
+    core = FakeEngineCore()
+    h = PoolSchedulerHalf(
+        half(DictStore())._settings, is_producer=False, is_consumer=True, block_size=BLOCK,
+        salt=SALT, tp_size=1, store=DictStore(), engine_core=core, wake_endpoint=endpoint,
+    )  # fmt: skip
+    idle = step()
+    idle.finished_req_ids = set()
+    try:
+        h.build_connector_meta(idle)
+        assert core.rests == 0  # nothing pinned: no load is pending
+        h._pins = [object()]  # a load in flight (BlockPins holds its blocks)
+        h.build_connector_meta(idle)
+        assert core.rests == 1
+        sender = WakeSender(endpoint)
+        sender.wake()  # the load ended: the next step must not wait for another wake-up
+        deadline = time.monotonic() + 5
+        while core.wakes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.wakes == 1
+        h.build_connector_meta(idle)
+        assert core.rests == 1
+        core.busy = True  # a running request or a queued one: vLLM must step
+        h.build_connector_meta(idle)
+        assert core.rests == 1
+        sender.close()
+    finally:
+        h.shutdown()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from mooncake_vllm.vllm_glue import (
     IDLE_STEP_PAUSE_S,
     EngineCoreHandle,
     Probe,
+    Rests,
     request_family,
 )
 
@@ -103,7 +103,7 @@ class SchedulerHalf:
         # Consumer: blocks under a pull (None until vLLM binds its block pool).
         self._pins: BlockPins | None = None
         self._engine_core = EngineCoreHandle.find(probe)
-        self._woken = threading.Event()  # a worker or a lease reported since the last rest
+        self._rests = Rests(self._engine_core)
         # Producer: leases and side channels, in a process of their own (leases.client).
         self._leases: LeaseService | None = None
         # Producer: vLLM's upstream bootstrap HTTP service (``GET /query``), beside the leases;
@@ -497,19 +497,11 @@ class SchedulerHalf:
         queue (a worker's wake-up as a no-op WAKEUP request, see ``_wake_engine_core``), so the
         wait is on that queue's own condition, which ``put`` notifies: nothing polls
         (``vllm_glue.EngineCoreHandle``)."""
-        if self._woken.is_set():
-            # A worker reported after the last step collected its results, and vLLM may have
-            # taken the no-op request off the queue already: step now, do not wait for another.
-            self._woken.clear()
-            return
-        self._engine_core.rest(self._woken)
-        self._woken.clear()
+        self._rests.rest()
 
     def _wake_engine_core(self) -> None:
         """Thread-safe: a no-op request that ends ``_rest`` (nothing without an engine core)."""
-        self._woken.set()
-        if self._engine_core is not None:
-            self._engine_core.wake()
+        self._rests.wake()
 
     def get_stats(self) -> MooncakeStats | None:
         """The producer's lease figures, reported by vLLM after every step's update (so a lease

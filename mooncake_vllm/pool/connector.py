@@ -27,6 +27,7 @@ from mooncake_vllm.pool.config import PoolSettings, check_reachable
 from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
 from mooncake_vllm.pool.stats import PoolPromMetrics, PoolStats
 from mooncake_vllm.pool.step_metadata import PoolConnectorMetadata
+from mooncake_vllm.vllm_glue import EngineCoreHandle
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,7 +46,12 @@ class MooncakeStoreConnector(HalvesConnector):
         settings: PoolSettings = load_settings(ktc.kv_connector_extra_config, model=PoolSettings)
         check_role(ktc.kv_role, "MooncakeStoreConnector")
         check_reachable(settings)
-        self._prepare_process(settings)
+        probe = self._prepare_process(settings)
+        # Where the workers tell the scheduler half a load ended (one per engine and DP rank).
+        wake = (
+            f"ipc://@mooncake-vllm/pool/{ktc.engine_id}/"
+            f"{vllm_config.parallel_config.data_parallel_rank}/wake"
+        )
         is_producer = ktc.kv_role in ("kv_producer", "kv_both")
         is_consumer = ktc.kv_role in ("kv_consumer", "kv_both")
         self._scheduler: PoolSchedulerHalf | None = None
@@ -69,6 +75,8 @@ class MooncakeStoreConnector(HalvesConnector):
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
                 store=store,
                 kv_replicated=vllm_config.model_config.use_mla,
+                engine_core=EngineCoreHandle.find(probe),
+                wake_endpoint=wake,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -83,6 +91,7 @@ class MooncakeStoreConnector(HalvesConnector):
                 tp_rank=get_tensor_model_parallel_rank(),
                 num_blocks=kv_cache_config.num_blocks,
                 kv_replicated=vllm_config.model_config.use_mla,
+                wake_endpoint=wake,
             )
 
     # ---- worker side ---------------------------------------------------------------------

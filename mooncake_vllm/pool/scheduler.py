@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
+from mooncake_vllm.p2p.local_channels import WakeForwarder
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, chain_digests, key_ranks, leading_hits
 from mooncake_vllm.pool.stats import PoolStats
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
-from mooncake_vllm.vllm_glue import IDLE_STEP_PAUSE_S
+from mooncake_vllm.vllm_glue import IDLE_STEP_PAUSE_S, EngineCoreHandle, Rests
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -76,8 +77,12 @@ class PoolSchedulerHalf:
         tp_size: int,
         store: PoolStore | None,
         kv_replicated: bool = False,
+        engine_core: EngineCoreHandle | None = None,
+        wake_endpoint: str | None = None,
     ):
-        """``kv_replicated``: every TP rank holds the same KV (MLA), stored once in the pool."""
+        """``kv_replicated``: every TP rank holds the same KV (MLA), stored once in the pool.
+        ``engine_core`` and ``wake_endpoint`` (where the workers say a load ended): while only
+        loads are pending, vLLM rests instead of stepping (``_rest``)."""
         self._settings = settings
         self._is_producer, self._is_consumer = is_producer, is_consumer
         self._block_size, self._salt, self._tp_size = block_size, salt, tp_size
@@ -92,6 +97,19 @@ class PoolSchedulerHalf:
         self._saving: dict[str, _Saving] = {}
         self._pins: BlockPins | None = None
         self._stats = PoolStats()
+        self._engine_core = engine_core
+        self._rests = Rests(engine_core)
+        self._waker: WakeForwarder | None = None
+        if engine_core is not None and wake_endpoint is not None and is_consumer:
+            try:
+                self._waker = WakeForwarder(wake_endpoint, self._rests.wake)
+            except Exception as e:  # zmq.ZMQError: the endpoint is taken; steps are paused
+                logger.info("pool loads will not rest vLLM (%s: %s)", wake_endpoint, e)
+        if is_consumer:
+            logger.info(
+                "while only pool loads are pending vLLM %s",
+                "rests until one ends" if self._waker else f"steps every {IDLE_STEP_PAUSE_S}s",
+            )
 
     # ---- load ----------------------------------------------------------------------------
 
@@ -222,7 +240,14 @@ class PoolSchedulerHalf:
             meta.saves = self._saves(scheduler_output)
         idle = not (meta.loads or meta.saves or scheduler_output.total_num_scheduled_tokens)
         if idle and self._pins:
-            time.sleep(IDLE_STEP_PAUSE_S)  # waiting for a load: do not spin a core
+            if self._waker is None or self._engine_core is None:
+                time.sleep(IDLE_STEP_PAUSE_S)  # waiting for a load: do not spin a core
+            elif not scheduler_output.finished_req_ids and not self._engine_core.busy_with_others():
+                # Nothing can run until a load ends. Stepping every 2 ms instead kept the
+                # worker's queue reader spinning (each step wakes it) beside the get's own
+                # spinning thread: a waiting decode took both cores of a 2-core host, and the
+                # holder's store threads, in another engine, got none (docs/pool.md, Stalls).
+                self._rests.rest()
         return meta
 
     def request_finished(
@@ -242,6 +267,8 @@ class PoolSchedulerHalf:
         return out
 
     def shutdown(self) -> None:
+        if self._waker is not None:
+            self._waker.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
         if self._store is not None:
             self._store.close()

@@ -31,6 +31,7 @@ from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWor
 from mooncake_vllm.core.os_threads import name_this_thread, unpin
 from mooncake_vllm.core.planning import MemSegment, kv_cache_regions
 from mooncake_vllm.core.worker_stats import WorkerStats
+from mooncake_vllm.p2p.local_channels import WakeSender
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, key_rank
 from mooncake_vllm.pool.stats import PoolStats
@@ -70,6 +71,7 @@ class PoolWorkerHalf:
         tp_rank: int,
         num_blocks: int,
         kv_replicated: bool = False,
+        wake_endpoint: str | None = None,
     ):
         """``kv_replicated``: every TP rank holds the same KV (MLA): rank 0 alone puts it, once
         per engine, and every rank gets that copy."""
@@ -85,7 +87,10 @@ class PoolWorkerHalf:
         self._pool = ThreadPoolExecutor(
             _LOAD_THREADS, thread_name_prefix="mooncake-pool-get", initializer=_init_get_thread
         )
-        self._jobs: LoadJobs[LoadOutcome] = LoadJobs(self._pool)
+        # A load that ends wakes the scheduler half, which rests vLLM while loads are pending.
+        self._wake = WakeSender(wake_endpoint) if wake_endpoint and is_consumer else None
+        wake = self._wake.wake if self._wake is not None else None
+        self._jobs: LoadJobs[LoadOutcome] = LoadJobs(self._pool, wake=wake)
         self._saves: list[BlockTransfer] = []
         self._last_put_warning = -_WARN_EVERY_S
 
@@ -254,6 +259,9 @@ class PoolWorkerHalf:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._wake is not None:
+            self._wake.close()
+            self._wake = None
         if self._store is not None:
             self._store.close()
             self._store = None
