@@ -30,6 +30,11 @@ def wake_endpoint(host: str, base_port: int) -> str:
     return f"ipc://@mooncake-vllm/{host}:{base_port}/wake"
 
 
+def pool_wake_endpoint(engine_id: str, dp_rank: int) -> str:
+    """The pool connector's wake-ups: one per engine and DP rank (it has no base port)."""
+    return f"ipc://@mooncake-vllm/pool/{engine_id}/{dp_rank}/wake"
+
+
 def layers_endpoint(host: str, base_port: int) -> str:
     """Where a producer's workers send ``LayerDone`` to its lease server (``layerwise_handoff``)."""
     return f"ipc://@mooncake-vllm/{host}:{base_port}/layers"

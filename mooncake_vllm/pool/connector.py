@@ -23,6 +23,7 @@ from mooncake_vllm.core.facade import HalvesConnector
 from mooncake_vllm.core.identity import engine_compat_hash
 from mooncake_vllm.core.model_identity import engine_model_identity
 from mooncake_vllm.core.settings import check_role, load_settings
+from mooncake_vllm.p2p.local_channels import pool_wake_endpoint
 from mooncake_vllm.pool.config import PoolSettings, check_reachable
 from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
 from mooncake_vllm.pool.stats import PoolPromMetrics, PoolStats
@@ -47,11 +48,8 @@ class MooncakeStoreConnector(HalvesConnector):
         check_role(ktc.kv_role, "MooncakeStoreConnector")
         check_reachable(settings)
         probe = self._prepare_process(settings)
-        # Where the workers tell the scheduler half a load ended (one per engine and DP rank).
-        wake = (
-            f"ipc://@mooncake-vllm/pool/{ktc.engine_id}/"
-            f"{vllm_config.parallel_config.data_parallel_rank}/wake"
-        )
+        # Where the workers tell the scheduler half a load ended.
+        wake = pool_wake_endpoint(ktc.engine_id, vllm_config.parallel_config.data_parallel_rank)
         is_producer = ktc.kv_role in ("kv_producer", "kv_both")
         is_consumer = ktc.kv_role in ("kv_consumer", "kv_both")
         self._scheduler: PoolSchedulerHalf | None = None

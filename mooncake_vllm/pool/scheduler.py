@@ -82,7 +82,7 @@ class PoolSchedulerHalf:
     ):
         """``kv_replicated``: every TP rank holds the same KV (MLA), stored once in the pool.
         ``engine_core`` and ``wake_endpoint`` (where the workers say a load ended): while only
-        loads are pending, vLLM rests instead of stepping (``_rest``)."""
+        loads are pending, vLLM rests instead of stepping (``vllm_glue.Rests``)."""
         self._settings = settings
         self._is_producer, self._is_consumer = is_producer, is_consumer
         self._block_size, self._salt, self._tp_size = block_size, salt, tp_size
@@ -97,7 +97,6 @@ class PoolSchedulerHalf:
         self._saving: dict[str, _Saving] = {}
         self._pins: BlockPins | None = None
         self._stats = PoolStats()
-        self._engine_core = engine_core
         self._rests = Rests(engine_core)
         self._waker: WakeForwarder | None = None
         if engine_core is not None and wake_endpoint is not None and is_consumer:
@@ -240,9 +239,10 @@ class PoolSchedulerHalf:
             meta.saves = self._saves(scheduler_output)
         idle = not (meta.loads or meta.saves or scheduler_output.total_num_scheduled_tokens)
         if idle and self._pins:
-            if self._waker is None or self._engine_core is None:
+            engine_core = self._rests.engine_core  # not None where there is a waker
+            if self._waker is None or engine_core is None:
                 time.sleep(IDLE_STEP_PAUSE_S)  # waiting for a load: do not spin a core
-            elif not scheduler_output.finished_req_ids and not self._engine_core.busy_with_others():
+            elif not scheduler_output.finished_req_ids and not engine_core.busy_with_others():
                 # Nothing can run until a load ends. Stepping every 2 ms instead kept the
                 # worker's queue reader spinning (each step wakes it) beside the get's own
                 # spinning thread: a waiting decode took both cores of a 2-core host, and the
