@@ -136,6 +136,28 @@ class ManagedProcess:
                     if os.getpriority(os.PRIO_PROCESS, tid) == old:
                         os.setpriority(os.PRIO_PROCESS, tid, new)
 
+    def thread_cpu_s(self) -> dict[str, float]:
+        """CPU time so far per live thread of the group, keyed ``"<process>/<thread>[tid]"``
+        (names from /proc ``comm``): where a process's CPU went."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for pid in self.group_pids():
+            with contextlib.suppress(OSError):
+                process = Path(f"/proc/{pid}/comm").read_text().strip()
+                for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+                    with contextlib.suppress(OSError, IndexError, ValueError):
+                        name, rest = (task / "stat").read_text().split("(", 1)[1].rsplit(")", 1)
+                        fields = rest.split()
+                        key = f"{process}/{name}[{task.name}]"
+                        out[key] = (int(fields[11]) + int(fields[12])) / ticks
+        return out
+
+    @staticmethod
+    def busiest_threads(before: dict[str, float], after: dict[str, float], n: int = 5) -> str:
+        """The ``n`` threads that used the most CPU between two ``thread_cpu_s`` readings."""
+        used = sorted(((after[k] - before.get(k, 0.0), k) for k in after), reverse=True)[:n]
+        return ", ".join(f"{k} {s:.2f}s" for s, k in used if s > 0) or "none"
+
     def cpu_s(self) -> float:
         """CPU time (user + system) used so far by the live processes of the group."""
         ticks = os.sysconf("SC_CLK_TCK")

@@ -186,8 +186,8 @@ async def _two_hundred_requests(setup: NewUser) -> None:
 
 async def test_idle_pair_with_a_held_lease_and_a_waiting_pull_costs_almost_no_cpu(setup, show_logs):
     """A prefill that holds a lease and a decode whose pull waits for an acquire nobody answers
-    (a side channel that never replies) use < 5 % of a core each once vLLM's own post-request
-    busy-wait (1 s) is over."""
+    (a side channel that never replies) use at most 3 % of a core more than the idle plain vLLM
+    beside them, once vLLM's own post-request busy-wait (1 s) is over."""
     import zmq
 
     mute_port = servers.free_port(HOST)
@@ -211,18 +211,29 @@ async def test_idle_pair_with_a_held_lease_and_a_waiting_pull_costs_almost_no_cp
                 )
             )
             await asyncio.sleep(1.5)  # vLLM's busy-wait after the last step ends
+            # The idle plain vLLM beside them is the baseline: on a shared 2-core box its own
+            # idle cost (API server, worker, gloo threads) moves by a few % of a core.
+            engines = {"prefill": setup.prefill, "decode": setup.decode, "plain": setup.plain}
             t0 = time.monotonic()
-            p0, d0 = setup.prefill.process.cpu_s(), setup.decode.process.cpu_s()
-            await asyncio.sleep(4.0)
+            before = {k: e.process.thread_cpu_s() for k, e in engines.items()}
+            await asyncio.sleep(6.0)
             wall = time.monotonic() - t0
-            prefill_share = (setup.prefill.process.cpu_s() - p0) / wall
-            decode_share = (setup.decode.process.cpu_s() - d0) / wall
+            after = {k: e.process.thread_cpu_s() for k, e in engines.items()}
+            share = {k: (sum(after[k].values()) - sum(before[k].values())) / wall for k in engines}
+            where = {
+                k: servers.ManagedProcess.busiest_threads(before[k], after[k]) for k in engines
+            }
             assert not waiting.done(), "the decode's pull should still be waiting"
-            print(f"idle CPU: prefill {prefill_share:.3f} core, decode {decode_share:.3f} core")
+            print("idle CPU (core): " + ", ".join(f"{k} {v:.3f}" for k, v in share.items()))
+            print(f"idle CPU by thread: {where}")
             async with await waiting as resp:  # vLLM's default policy: the pull's error
                 status, text = resp.status, await resp.text()
-        assert prefill_share < 0.05, f"prefill used {prefill_share:.1%} of a core holding a lease"
-        assert decode_share < 0.05, f"decode used {decode_share:.1%} of a core waiting"
+        # A spinning thread would cost 50-100 % of a core; ours stays within 3 % of the plain's.
+        for role, doing in (("prefill", "holding a lease"), ("decode", "waiting on a pull")):
+            assert share[role] < share["plain"] + 0.03, (
+                f"{role} used {share[role]:.1%} of a core {doing}, the idle plain vLLM "
+                f"{share['plain']:.1%}: {where[role]}"
+            )
         assert_failed_load(status, text)
         assert setup.decode.metric("mooncake_vllm:pull_failures_total") == failures0 + 1
     finally:
