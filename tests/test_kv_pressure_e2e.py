@@ -28,7 +28,7 @@ from harness import servers
 from harness.pd import PULL_COUNTERS, client_session, complete, greedy_body, kv_args
 from harness.xpyd import start_proxy
 
-pytestmark = pytest.mark.servers
+pytestmark = [pytest.mark.servers, pytest.mark.long]  # ~280 s with its own pair: make test-long
 
 PREFILL_HOST, DECODE_HOST = "127.0.0.41", "127.0.0.42"
 TE_PORT = 14410
