@@ -18,7 +18,8 @@ test: setup
 
 # The tests past the suite's budget (~25 minutes): drains under load, links cut between network
 # namespaces, a metadata store and engines restarted under load, a data-parallel prefill, a full
-# pool, long prompts past both KV caches. CI runs them after `make test`.
+# pool, long prompts past both KV caches, a model's KV refused by another, MLA through the pool.
+# CI runs them after `make test`.
 test-long: setup
 	$(PY) -m pytest -v -ra -s --durations=30 -m long $(PYTEST_ARGS)
 

@@ -265,6 +265,7 @@ def mla_pool(mla):
         srv.stop()
 
 
+@pytest.mark.long  # a master and two MLA engines of its own: make test-long
 async def test_mla_through_the_pool_equals_plain_one_latent_copy_per_block(mla, mla_pool, http):
     prefill, decode = mla_pool
     rng = random.Random(21)

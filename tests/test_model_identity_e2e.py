@@ -29,7 +29,7 @@ from harness.pd import (
 from harness.tiny_model import TinyModelSpec, build_tiny_model
 from mooncake_vllm.core.model_identity import model_identity, short_identity
 
-pytestmark = pytest.mark.servers
+pytestmark = [pytest.mark.servers, pytest.mark.long]  # two starts of its own: make test-long
 
 DECODE_HOST, OTHER_HOST = "127.0.0.52", "127.0.0.53"
 MODEL_A, MODEL_B = TinyModelSpec(), TinyModelSpec(seed=5678)  # same shape, other weights
