@@ -45,6 +45,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _cpu_ticks(stat: str) -> int:
+    """utime + stime (fields 14, 15) of a /proc ``stat`` line, in clock ticks."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 @dataclass(eq=False)
 class ManagedProcess:
     """One child process group with its log file."""
@@ -146,10 +152,9 @@ class ManagedProcess:
                 process = Path(f"/proc/{pid}/comm").read_text().strip()
                 for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
                     with contextlib.suppress(OSError, IndexError, ValueError):
-                        name, rest = (task / "stat").read_text().split("(", 1)[1].rsplit(")", 1)
-                        fields = rest.split()
-                        key = f"{process}/{name}[{task.name}]"
-                        out[key] = (int(fields[11]) + int(fields[12])) / ticks
+                        text = (task / "stat").read_text()
+                        name = text.split("(", 1)[1].rsplit(")", 1)[0]
+                        out[f"{process}/{name}[{task.name}]"] = _cpu_ticks(text) / ticks
         return out
 
     @staticmethod
@@ -164,8 +169,7 @@ class ManagedProcess:
         total = 0
         for pid in self.group_pids():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
+                total += _cpu_ticks(Path(f"/proc/{pid}/stat").read_text())
         return total / ticks
 
     def stop(self, grace_s: float = 15.0) -> None:
