@@ -124,6 +124,22 @@ class ManagedProcess:
                     pids.append(int(stat.parent.name))
         return pids
 
+    def dump_stacks(self, native: bool = True, timeout_s: float = 30.0) -> str:
+        """Every live process of the group's thread stacks (``py-spy dump``, installed by
+        ``make setup``): what a process that stopped making progress is waiting on."""
+        py_spy = Path(sys.executable).with_name("py-spy")
+        if not py_spy.exists():
+            return f"(no stacks: {py_spy} is not installed)"
+        out = []
+        for pid in self.group_pids():
+            argv = [str(py_spy), "dump", "--pid", str(pid), *(["--native"] if native else [])]
+            try:
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+                out.append(f"--- pid {pid}\n{done.stdout}{done.stderr}")
+            except (OSError, subprocess.TimeoutExpired) as e:
+                out.append(f"--- pid {pid}: py-spy failed: {e}")
+        return "\n".join(out)
+
     def set_autogroup_nice(self, nice: int) -> None:
         """The nice value of the process's session as a whole. With Linux's autogroup on (each
         session one scheduling group, as here) this, not a thread's nice, sets its share of the

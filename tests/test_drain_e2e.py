@@ -45,6 +45,10 @@ SHUTDOWN_TIMEOUT_S = 30
 CONCURRENCY = 8
 MAX_TOKENS = 8
 LOAD_BEFORE_SIGNAL_S = 4.0
+# A drained engine core logs the start of its drain within a step of the signal (well under a
+# second here); past this, the stacks of the prefill's processes are taken for the report.
+DRAIN_START_S = 10.0
+DRAIN_STARTED = "[shutdown] EngineCore: start mode=drain"
 
 
 class Pair:
@@ -122,6 +126,7 @@ class Episode:
     counts: dict[str, float]
     exit_s: float
     log: str
+    stacks: str = ""  # the prefill's thread stacks, if its drain had not begun in time
 
     def summary(self, label: str) -> str:
         c = self.counts
@@ -180,12 +185,21 @@ async def _stop_under_load(
             except Exception as e:  # each one is reported below
                 errors.append(f"request {i}: {e}")
 
+    stacks = ""
+
     async def stop_prefill() -> float:
-        nonlocal signalled_s
+        nonlocal signalled_s, stacks
         await asyncio.sleep(LOAD_BEFORE_SIGNAL_S)
         signalled_s = time.monotonic()
         _signal(proc, target)
+        watching = target != "killed"
         while proc.alive or proc.group_pids():
+            if watching and time.monotonic() - signalled_s > DRAIN_START_S:
+                watching = False
+                if DRAIN_STARTED not in proc.log_path.read_bytes()[log_offset:].decode(
+                    errors="replace"
+                ):
+                    stacks = await asyncio.to_thread(proc.dump_stacks)
             await asyncio.sleep(0.2)
         exited.set()
         return time.monotonic() - signalled_s
@@ -211,6 +225,7 @@ async def _stop_under_load(
         {k: after[k] - before[k] for k in after},
         exit_s,
         log,
+        stacks,
     )
 
 
@@ -221,6 +236,10 @@ def _assert_nothing_lost(ep: Episode, target: str) -> None:
     assert ep.counts["pulls"] > 0, "no request went by transfer before the signal"
     if target == "killed":
         return
+    assert not ep.stacks, (
+        f"the engine core had not begun to drain {DRAIN_START_S:.0f}s after the signal; "
+        f"its processes' stacks then:\n{ep.stacks}"
+    )
     # The drain ended by itself, not at --shutdown-timeout with what was left killed.
     assert "force killing" not in ep.log, "the prefill did not finish draining"
     if target == "process_group":  # the worker and the lease server outlived the group signal
