@@ -4,6 +4,8 @@ bootstrap service (a real process on a free port) and the consumer's resolver.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -142,6 +144,24 @@ def test_the_bootstrap_service_answers_query_and_refuses_register(boot_port):
         service.close()
     with pytest.raises(urllib.error.URLError):  # gone with its owner
         urllib.request.urlopen(f"http://127.0.0.1:{boot_port}/query", timeout=2)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_group_signal_leaves_the_bootstrap_answering_until_its_engine_core_ends_it(
+    boot_port, signum
+):
+    """A signal to vLLM's process group reaches the bootstrap process while its engine core
+    drains: ``/query`` still answers; closing the service (the engine core's teardown) ends it."""
+    service = BootstrapService(producer_cfg(boot_port))
+    try:
+        os.kill(service._proc.pid, signum)
+        time.sleep(0.3)
+        assert service._proc.poll() is None, "the bootstrap exited on a group signal"
+        with urllib.request.urlopen(f"{service.url}/query", timeout=5) as resp:
+            assert json.loads(resp.read())["0"]["engine_id"] == "e-1"
+    finally:
+        service.close()
+    assert service._proc.poll() is not None
 
 
 def test_a_second_engine_on_the_same_bootstrap_port_stops_naming_the_setting(boot_port):

@@ -23,7 +23,9 @@ half beside the lease server (``BootstrapService``): an HTTP server in the engin
 the GIL from vLLM's scheduler thread, and in the lease server from the side channels. It binds
 before it reports ready, so a port in use stops the engine at startup with a message naming the
 setting; it ends when the engine core closes the socket pair or dies (the kernel's parent-death
-signal as a backstop).
+signal as a backstop). A SIGTERM or SIGINT while the engine core lives (a signal to vLLM's whole
+process group) is logged and ignored: ``/query`` answers while the engine drains, as upstream's
+(a thread of its engine core) does.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from mooncake_vllm.core.child_process import spawn_child
+from mooncake_vllm.core.child_process import die_with_parent, outlive_group_signal, spawn_child
 from mooncake_vllm.core.settings import ConfigError
 from mooncake_vllm.p2p.config import BOOTSTRAP_PORT_ENV, ConnectorConfig
 from mooncake_vllm.p2p.upstream import parse_query, query_body
@@ -253,10 +255,10 @@ async def _serve(conn: Connection, host: str, port: int, query: dict) -> None:
 
 
 def main() -> None:
-    from mooncake_vllm.p2p.leases.process import _die_with_parent
-
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
-    _die_with_parent(parent_pid)
+    # A drain keeps answering /query, as upstream's (a thread of its engine core) does.
+    outlive_group_signal(parent_pid, logger, "answering /query until the engine core stops it")
+    die_with_parent(parent_pid)
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s [bootstrap] %(message)s"
     )

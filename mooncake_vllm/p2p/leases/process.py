@@ -24,13 +24,10 @@ engine drains.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import hmac
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections import Counter
@@ -39,6 +36,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
+from mooncake_vllm.core.child_process import die_with_parent, outlive_group_signal
 from mooncake_vllm.core.os_threads import (
     latency_zmq_context,
     make_latency_critical,
@@ -57,7 +55,6 @@ from mooncake_vllm.p2p.side_channel import (
 
 logger = logging.getLogger("mooncake_vllm.p2p.leases.process")
 
-_PR_SET_PDEATHSIG = 1
 # A failing loop logs at most this often (with the count), pausing between attempts.
 _ERROR_LOG_INTERVAL_S = 60.0
 _ERROR_PAUSE_S = 0.1
@@ -369,38 +366,12 @@ class LeaseServer:
         self._ctx.term()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """The kernel's backstop for an engine core that dies without closing the socket pair."""
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:  # it died before the signal was armed
-        sys.exit(0)
-
-
-def _outlive_group_signal(parent_pid: int) -> None:
-    """SIGTERM and SIGINT end this process only once its engine core is gone (the parent-death
-    signal). A signal to vLLM's whole process group (systemd's ``KillMode=control-group``,
-    Ctrl-C) reaches this process too, while the engine core drains under
-    ``--shutdown-timeout``: the leases it holds must still be served then, and the engine core
-    ends this process itself (``Stop``, or the socket pair's end of file) when it shuts down."""
-
-    def hold(signum: int, frame: object) -> None:
-        if os.getppid() != parent_pid:
-            raise SystemExit(0)
-        logger.info(
-            "got %s: serving the held leases until the engine core stops this process",
-            signal.Signals(signum).name,
-        )
-
-    signal.signal(signal.SIGTERM, hold)
-    signal.signal(signal.SIGINT, hold)
-
-
 def main() -> None:
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
-    _outlive_group_signal(parent_pid)
-    _die_with_parent(parent_pid)
+    outlive_group_signal(
+        parent_pid, logger, "serving the held leases until the engine core stops this process"
+    )
+    die_with_parent(parent_pid)
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s [lease server] %(message)s"
     )
