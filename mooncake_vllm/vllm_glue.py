@@ -17,6 +17,9 @@ things that API does not offer are done here, and only here:
 - ``outlive_group_signal``: the signal handler vLLM's multiprocessing executor gives a worker
   process (``WorkerProc.worker_main``), wrapped so that a producer's worker outlives a SIGTERM or
   SIGINT sent to the whole process group while its engine core drains.
+- ``one_engine_core_signal_at_a_time``: the engine core's signal handler
+  (``EngineCoreProc.run_engine_core``), wrapped so that a signal arriving while the handler runs
+  does not run it again inside itself (it deadlocks there: ``guard_engine_core_signal``).
 
 The probes read vLLM's sources as files (``VllmFiles``, ``probe_files``), never import them, so
 the contract test runs them on a release that cannot be installed here (vLLM 0.33's CUDA wheel).
@@ -40,7 +43,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,6 +314,16 @@ def probe_files(files: VllmFiles, cpu_platform: bool = True) -> Probe:
             missing.append(f"a thread named {_DEATH_PIPE_MONITOR}")
         return f"WorkerProc.worker_main lacks {missing}" if missing else None
 
+    def engine_core_signal() -> str | None:
+        src = files.source("vllm.v1.engine.core", "EngineCoreProc.run_engine_core")
+        needed = (
+            "def signal_handler",
+            "signal.signal(signal.SIGTERM, signal_handler)",
+            "signal_callback.trigger()",
+        )
+        missing = [n for n in needed if n not in src]
+        return f"EngineCoreProc.run_engine_core lacks {missing}" if missing else None
+
     check("wakeup", wakeup)
     check("engine_core", engine_core)
     check("scheduler_queues", scheduler)
@@ -322,6 +335,7 @@ def probe_files(files: VllmFiles, cpu_platform: bool = True) -> Probe:
     check("watchdog", watchdog)
     check("child_request_ids", child_ids)
     check("worker_signal", worker_signal)
+    check("engine_core_signal", engine_core_signal)
     return found
 
 
@@ -615,6 +629,62 @@ def outlive_group_signal() -> bool:
     signal.signal(signal.SIGTERM, hold)
     signal.signal(signal.SIGINT, hold)
     return True
+
+
+# The handler vLLM's engine-core process installs for SIGTERM and SIGINT.
+_ENGINE_CORE_SIGNAL_HANDLER = "EngineCoreProc.run_engine_core.<locals>.signal_handler"
+
+
+def one_engine_core_signal_at_a_time() -> bool:
+    """In vLLM's engine-core process (the scheduler half is built on its main thread): vLLM's
+    SIGTERM/SIGINT handler is wrapped so that a signal arriving while it runs returns at once
+    instead of running it again inside itself. Returns whether it was wrapped (not in another
+    process, off the main thread, or where the probe failed).
+
+    Why: Python runs a signal's handler at the next bytecode, also in the middle of the handler
+    of an earlier one. vLLM's sets the engine's shutdown state and then an ``Event``
+    (``SignalCallback.trigger``), whose ``set`` holds the event's non-reentrant lock; a second
+    signal handled there sets it again from inside and waits on that lock for ever. A signal to
+    vLLM's whole process group brings two, close together: the group's own, and the API
+    server's to its engine core as it begins to drain. A process with vLLM's handler's shape (a
+    Python loop, another thread taking the GIL, two SIGTERMs 0.2 ms apart) hung in 1 run of 100
+    here; once in CI an engine core so signalled never began to drain and was killed at
+    ``--shutdown-timeout``. The nested call has nothing to add: the outer one sets the same state
+    and wakes the engine (as two signals that arrive before either is handled become one).
+    SIGTERM and SIGINT share the one guard: either may arrive inside the other's handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _checked is not None and not _checked.ok("engine_core_signal"):
+        return False
+    guard = _OneAtATime()
+    wrapped = False
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        original = signal.getsignal(signum)
+        if getattr(original, "__qualname__", "") != _ENGINE_CORE_SIGNAL_HANDLER:
+            continue  # not vLLM's engine core (an in-process engine, our tests), or wrapped
+        signal.signal(signum, guard.wrap(original))
+        wrapped = True
+    return wrapped
+
+
+class _OneAtATime:
+    """Signal handlers that do not run inside one another (they run on the main thread only,
+    so a flag is enough)."""
+
+    def __init__(self) -> None:
+        self.running = False
+
+    def wrap(self, handler: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+        def one_at_a_time(signum: int, frame: Any) -> None:
+            if self.running:
+                return  # inside the handler of an earlier signal, which does what this would
+            self.running = True
+            try:
+                handler(signum, frame)
+            finally:
+                self.running = False
+
+        return one_at_a_time
 
 
 def register_names(ours: dict[str, tuple[str, str, str]], keep_builtin: bool) -> bool:

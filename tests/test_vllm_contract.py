@@ -445,3 +445,67 @@ def test_outside_a_vllm_worker_the_signal_handlers_are_left_alone():
     before = signal.getsignal(signal.SIGTERM)
     assert vllm_glue.outlive_group_signal() is False
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+_ENGINE_CORE_SCRIPT = """
+import os, signal, sys, threading, time
+from mooncake_vllm import vllm_glue
+
+class EngineCoreProc:  # named as vLLM's, so its handler's qualified name is vLLM's
+    @staticmethod
+    def run_engine_core():
+        event_lock = threading.Lock()  # what Event.set holds (SignalCallback.trigger)
+        calls = []
+
+        def signal_handler(signum, frame):
+            calls.append(signal.Signals(signum).name)
+            if len(calls) == 1:
+                with event_lock:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the API server's, handled in here
+                    for _ in range(10_000):
+                        pass
+            elif not event_lock.acquire(timeout=1):
+                calls.append("deadlocked")
+            else:
+                event_lock.release()
+
+        signal.signal(signal.SIGTERM, signal_handler)
+        signal.signal(signal.SIGINT, signal_handler)
+        print(%s, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)  # the group's (Ctrl-C)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)  # a later one: handled as vLLM does
+        time.sleep(0.2)
+        print(" ".join(calls), flush=True)
+
+EngineCoreProc.run_engine_core()
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_signal_inside_the_engine_cores_handler_does_not_run_it_again(guarded):
+    """vLLM's engine-core handler, re-entered by a second signal while it holds its event's
+    lock, waits on that lock for ever; wrapped, the nested signal returns at once and a later
+    one runs vLLM's handler as before. Unwrapped (the check that the script can fail), the
+    nested call finds the lock held."""
+    import subprocess
+
+    call = "vllm_glue.one_engine_core_signal_at_a_time()" if guarded else "False"
+    done = subprocess.run(
+        [sys.executable, "-c", _ENGINE_CORE_SCRIPT % call],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr
+    if guarded:
+        assert lines == ["True", "SIGINT SIGTERM"], done.stdout + done.stderr
+    else:
+        assert lines == ["False", "SIGINT SIGTERM deadlocked SIGTERM"], done.stdout + done.stderr
+
+
+def test_outside_vllms_engine_core_its_signal_handlers_are_left_alone():
+    before = signal.getsignal(signal.SIGTERM)
+    assert vllm_glue.one_engine_core_signal_at_a_time() is False
+    assert signal.getsignal(signal.SIGTERM) is before
