@@ -19,7 +19,7 @@ things that API does not offer are done here, and only here:
   SIGINT sent to the whole process group while its engine core drains.
 - ``one_engine_core_signal_at_a_time``: the engine core's signal handler
   (``EngineCoreProc.run_engine_core``), wrapped so that a signal arriving while the handler runs
-  does not run it again inside itself (it deadlocks there: ``guard_engine_core_signal``).
+  does not run it again inside itself (where it would deadlock; the function says how).
 
 The probes read vLLM's sources as files (``VllmFiles``, ``probe_files``), never import them, so
 the contract test runs them on a release that cannot be installed here (vLLM 0.33's CUDA wheel).

@@ -32,7 +32,12 @@ from mooncake_vllm.core.loads import MooncakeWorkerMeta
 from mooncake_vllm.core.prom import ConnectorPromMetrics
 from mooncake_vllm.core.sleep_mode import refuse_sleep_mode, sleep_mode_refusal
 from mooncake_vllm.plugin import use_vllm_logging
-from mooncake_vllm.vllm_glue import Probe, check_vllm, shorten_queue_spin
+from mooncake_vllm.vllm_glue import (
+    Probe,
+    check_vllm,
+    one_engine_core_signal_at_a_time,
+    shorten_queue_spin,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,10 +91,14 @@ class HalvesConnector(KVConnectorBase_V1):
 
     def _prepare_process(self, settings: SharedSettings) -> Probe:
         """Once the settings are valid, in both roles: check vLLM's internals (raises unless
-        ``allow_untested_vllm``), set the threads' OS policy, shorten vLLM's queue spin."""
+        ``allow_untested_vllm``), set the threads' OS policy, shorten vLLM's queue spin; in the
+        engine core, keep vLLM's signal handler from running inside itself (a group signal's
+        drain)."""
         probe = check_vllm(settings.allow_untested_vllm)
         os_threads.set_policy(settings.thread_priority)
         shorten_queue_spin(settings.vllm_busy_loop_s)
+        if self.role == KVConnectorRole.SCHEDULER:
+            one_engine_core_signal_at_a_time()
         return probe
 
     # ---- worker side ---------------------------------------------------------------------

@@ -97,7 +97,6 @@ class MooncakeConnector(HalvesConnector):
         kv_heads = engine_kv_heads(vllm_config)
         kv_format = vllm_glue.kv_format(vllm_config)
         if self.role == KVConnectorRole.SCHEDULER:
-            vllm_glue.one_engine_core_signal_at_a_time()  # drains by a group signal
             warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
             self._scheduler = SchedulerHalf(
                 self._cfg,

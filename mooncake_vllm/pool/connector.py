@@ -28,7 +28,7 @@ from mooncake_vllm.pool.config import PoolSettings, check_reachable
 from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
 from mooncake_vllm.pool.stats import PoolPromMetrics, PoolStats
 from mooncake_vllm.pool.step_metadata import PoolConnectorMetadata
-from mooncake_vllm.vllm_glue import EngineCoreHandle, one_engine_core_signal_at_a_time
+from mooncake_vllm.vllm_glue import EngineCoreHandle
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,7 +55,6 @@ class MooncakeStoreConnector(HalvesConnector):
         self._scheduler: PoolSchedulerHalf | None = None
         self._worker: PoolWorkerHalf | None = None
         if self.role == KVConnectorRole.SCHEDULER:
-            one_engine_core_signal_at_a_time()  # drains by a group signal
             warn_cpu_mla_rope(vllm_config)  # once per engine: the scheduler half is one
             store = None
             if is_consumer:
