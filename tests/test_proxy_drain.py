@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.local_proxy import proxies
 from harness.servers import free_port
-from mooncake_vllm.proxy import drain
+from mooncake_vllm.proxy import drain, http1
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.metrics import ProxyMetrics
@@ -130,16 +130,19 @@ async def test_read_head_reads_a_stream_up_to_its_first_token(chunks, head_chunk
 
     app = web.Application()
     app.router.add_post("/s", stream)
-    async with _serving(app) as url, aiohttp.ClientSession() as http:
-        resp = await http.post(url + "/s")
+    client = http1.Client(keepalive_s=4, connect_timeout_s=5, limit_per_host=10)
+    async with _serving(app) as url:
+        resp = await client.request("POST", url, "/s", headers={}, body=b"", timeout_s=10)
         if head_chunks is None:
             with pytest.raises(drain.BackendDraining, match="shutting down"):
                 await drain.read_head(resp, "decode", url)
-            assert resp.closed
+            assert resp.ended
             return
         head = await drain.read_head(resp, "decode", url)
         assert head == b"".join(chunks[:head_chunks])  # no further than the first token
-        assert head + await resp.content.read() == b"".join(chunks)  # nothing lost or added
+        assert head + await resp.read() == b"".join(chunks)  # nothing lost or added
+        resp.release()
+    await client.close()
 
 
 # ---- the pool: out of rotation until it has restarted -------------------------------------------

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
 import msgspec
+
+from mooncake_vllm.proxy import http1
 
 # A stream is read this far at most looking for its first token; beyond it, it is taken as real.
 # Also the most of an error body read to look for EngineDeadError.
@@ -165,11 +166,11 @@ def _stream_verdict(head: bytes, ended: bool) -> bool | None:
     return None
 
 
-async def read_head(response: aiohttp.ClientResponse, role: str, url: str) -> bytes:
+async def read_head(response: http1.Response, role: str, url: str) -> bytes:
     """Read a generation answer far enough to know it is not a refusal by a backend that is
     shutting down; raises BackendDraining when it is one (the response is then released).
 
-    A whole 2xx (JSON) answer is read completely; aiohttp keeps it for ``response.read()``, and
+    A whole 2xx (JSON) answer is read completely; the response keeps it for ``read()``, and
     the bytes returned are empty. A stream is read up to its first token event (or its end),
     and an error answer up to ``MAX_HEAD_BYTES``: the bytes read are returned, for the caller to
     pass on before the rest of the body.
@@ -179,14 +180,14 @@ async def read_head(response: aiohttp.ClientResponse, role: str, url: str) -> by
             raise BackendDraining(role, url, ABORTED)
         return b""
     if not 200 <= response.status < 300:
-        head = await response.content.read(MAX_HEAD_BYTES)
+        head = await response.read_some(MAX_HEAD_BYTES)
         if refusal(response.status, head):
             response.release()
             raise BackendDraining(role, url, ENGINE_GONE)
         return head
     head = b""
     while len(head) <= MAX_HEAD_BYTES:
-        chunk = await response.content.readany()
+        chunk = await response.read_some()
         head += chunk
         verdict = _stream_verdict(head, ended=not chunk)
         if verdict is False:

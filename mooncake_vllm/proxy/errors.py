@@ -14,9 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
-from mooncake_vllm.proxy import rewrite
+from mooncake_vllm.proxy import http1, rewrite
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.drain import BackendDraining
 
@@ -87,13 +85,12 @@ def classify(
     """What an exception from a backend call means, or None when it is not a backend failure."""
     if isinstance(exc, BackendDraining):
         return BackendFailure(FailureKind.DRAINING, str(exc))
-    # ConnectionTimeoutError is also an asyncio.TimeoutError: test it first.
-    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+    if isinstance(exc, http1.ConnectFailed):
         return BackendFailure(FailureKind.CONNECT, f"cannot connect to {leg} backend {url}: {exc}")
     if isinstance(exc, asyncio.TimeoutError):
         message = f"{leg} backend {url} timed out after {deadline.limit_s:g}s ({deadline.flag})"
         return BackendFailure(FailureKind.TIMEOUT, message)
-    if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+    if isinstance(exc, http1.ConnectionDropped):
         detail = str(exc) or type(exc).__name__
         return BackendFailure(
             FailureKind.DISCONNECT, f"{leg} backend {url} dropped the connection: {detail}"

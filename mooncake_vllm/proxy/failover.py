@@ -18,9 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import aiohttp
-
-from mooncake_vllm.proxy import drain, kv_index, prefix
+from mooncake_vllm.proxy import drain, http1, kv_index, prefix
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.errors import (
     BackendFailure,
@@ -141,7 +139,7 @@ class Backends:
         }
         for role, pool in self.pools.items():
             metrics.declare_backends(role, [b.url for b in pool.backends])
-        self._session: aiohttp.ClientSession | None = None
+        self._client: http1.Client | None = None
         # Where each prefill's side channel is (--dispatch concurrent).
         self.producers = Producers()
         # The calls waiting for each backend's answer, and those ``abandon`` cancelled.
@@ -151,31 +149,25 @@ class Backends:
         # episode ends with the next prefill leg a prefill serves); None: none since then.
         self._local_requests: int | None = None
 
-    # ---- the session (before_serving / after_serving) -------------------------------------------
+    # ---- the HTTP client (before_serving / after_serving) ---------------------------------------
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=_CONNECTIONS_PER_BACKEND, keepalive_timeout=_KEEPALIVE_S
-        )
-        # No cookie jar: backends set no cookies, and the jar's per-request bookkeeping showed up
-        # in py-spy profiles of the proxy.
-        self._session = aiohttp.ClientSession(
-            connector=connector, cookie_jar=aiohttp.DummyCookieJar()
+        self._client = http1.Client(
+            keepalive_s=_KEEPALIVE_S,
+            connect_timeout_s=self.cfg.connect_timeout_s,
+            limit_per_host=_CONNECTIONS_PER_BACKEND,
         )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def client(self) -> http1.Client:
+        if self._client is None:
             raise RuntimeError("the proxy is not serving (before_serving has not run)")
-        return self._session
-
-    def timeout(self, total_s: float) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total_s, sock_connect=self.cfg.connect_timeout_s)
+        return self._client
 
     # ---- what a failure does to a backend -------------------------------------------------------
 
@@ -336,15 +328,19 @@ class Backends:
                 if before_send is not None:
                     before_send(backend)
                 sent_s, bytes_in_flight = time.monotonic(), backend.bytes_in_flight
-                async with self.session.request(
+                resp = await self.client.request(
                     method,
-                    backend.url + ctx.path,
-                    data=data,
+                    backend.url,
+                    ctx.path,
                     headers=ctx.headers_for(backend, json_body=data is not None),
-                    timeout=self.timeout(deadline.timeout_s),
-                ) as resp:
+                    body=data,
+                    timeout_s=deadline.timeout_s,
+                )
+                try:
                     raw = await resp.read()
-                    content_type = resp.headers.get("Content-Type", "application/json")
+                finally:
+                    resp.release()
+                content_type = resp.headers.get("content-type", "application/json")
             finally:
                 backend.bytes_in_flight -= size
             why = drain.refusal(resp.status, raw) if data is not None else None

@@ -17,9 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
-from mooncake_vllm.proxy import drain, rewrite
+from mooncake_vllm.proxy import drain, http1, rewrite
 from mooncake_vllm.proxy.errors import (
     FailureKind,
     LegDeadline,
@@ -137,7 +135,7 @@ class OpenDecode:
 
     pool: BackendPool
     backend: Backend
-    response: aiohttp.ClientResponse
+    response: http1.Response
     in_flight: InFlight
     deadline: LegDeadline
     # What was read to tell the answer from a draining decode's refusal: a stream up to its
@@ -150,7 +148,7 @@ class OpenDecode:
         if self.head:
             head, self.head = self.head, b""
             return head
-        return await self.response.content.readany()
+        return await self.response.read_some()
 
 
 async def open_decode(backends: Backends, ctx: RequestContext, body: bytes) -> OpenDecode:
@@ -162,12 +160,14 @@ async def open_decode(backends: Backends, ctx: RequestContext, body: bytes) -> O
     may already be pulling the KV, and a transfer id is used once.
     """
 
-    async def send(backend: Backend, deadline: LegDeadline) -> tuple[aiohttp.ClientResponse, bytes]:
-        resp = await backends.session.post(
-            backend.url + ctx.path,
-            data=body,
+    async def send(backend: Backend, deadline: LegDeadline) -> tuple[http1.Response, bytes]:
+        resp = await backends.client.request(
+            "POST",
+            backend.url,
+            ctx.path,
             headers=ctx.headers_for(backend, json_body=True),
-            timeout=backends.timeout(deadline.timeout_s),
+            body=body,
+            timeout_s=deadline.timeout_s,
         )
         try:
             return resp, await drain.read_head(resp, "decode", backend.url)
@@ -221,8 +221,8 @@ async def read_decode(backends: Backends, leg: OpenDecode) -> bytes:
         if limit is None:
             raw = leg.head + await leg.response.read()
         else:
-            raw = leg.head + await leg.response.content.read(limit - len(leg.head))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raw = leg.head + await leg.response.read_some(limit - len(leg.head))
+    except (http1.BackendIOError, asyncio.TimeoutError) as e:
         failure = classify(e, "decode", leg.backend.url, leg.deadline)
         if failure is None:
             raise

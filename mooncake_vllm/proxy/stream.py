@@ -13,9 +13,7 @@ import logging
 import time
 import weakref
 
-import aiohttp
-
-from mooncake_vllm.proxy import rewrite
+from mooncake_vllm.proxy import http1, rewrite
 from mooncake_vllm.proxy.errors import BackendFailure, classify
 from mooncake_vllm.proxy.failover import Backends, InFlight, RequestContext
 from mooncake_vllm.proxy.legs import OpenDecode
@@ -25,9 +23,7 @@ from mooncake_vllm.proxy.prompt_list import StreamMerge
 logger = logging.getLogger("mooncake_vllm.proxy")
 
 
-def _abandon(
-    response: aiohttp.ClientResponse, in_flight: InFlight, client_slot: ClientSlot | None
-) -> None:
+def _abandon(response: http1.Response, in_flight: InFlight, client_slot: ClientSlot | None) -> None:
     # close(), not release(): the connection must drop so vLLM notices and aborts the request.
     response.close()
     in_flight.release()
@@ -77,7 +73,7 @@ class DecodeStream:
         leg = self._leg
         try:
             chunk = await leg.read_chunk()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (http1.BackendIOError, asyncio.TimeoutError) as e:
             failure = _record_cut(self._backends, self._ctx, leg, e)
             self._finish(clean=False)
             # An event cut in its middle is closed first, so the client's SSE parser sees ours.
@@ -110,7 +106,7 @@ class DecodeStream:
 
 
 def _abandon_all(
-    legs: list[tuple[aiohttp.ClientResponse, InFlight]], client_slot: ClientSlot | None
+    legs: list[tuple[http1.Response, InFlight]], client_slot: ClientSlot | None
 ) -> None:
     for response, in_flight in legs:
         _abandon(response, in_flight, None)
@@ -164,7 +160,7 @@ class MergedStream:
             leg = self._legs[i]
             try:
                 chunk = self._reads.pop(i).result()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (http1.BackendIOError, asyncio.TimeoutError) as e:
                 failure = _record_cut(self._backends, self._ctx, leg, e)
                 await self._finish()
                 # StreamMerge passes whole events only: no event is left cut in its middle.
