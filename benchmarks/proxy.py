@@ -13,9 +13,11 @@ decode), so every millisecond measured is the proxy's own. Targets, each in fron
   uvloop), so the default can be the fastest of one run;
 - ``toy``: ``benchmarks.toy_proxy`` (FastAPI + httpx on uvicorn).
 
-Latency: one request at a time, targets interleaved round by round (so drift hits all alike).
-Throughput: a closed loop of ``--concurrency`` clients for a fixed time per target. All servers log
-at warning level (request logging is a deployment choice, not the proxy's cost).
+Latency: one request at a time, targets interleaved round by round (so drift hits all alike);
+each proxy's CPU time (user + system, from /proc) over that phase, per request it served, is
+``server_cpu_us_per_req`` (its own work, less sensitive to a busy box than its latency).
+Throughput: a closed loop of ``--concurrency`` clients for a fixed time per target. All servers
+log at warning level (request logging is a deployment choice, not the proxy's cost).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from harness.servers import ManagedProcess, free_port, http_text
 
 SERVERS = ["granian", "uvicorn", "hypercorn"]
 TARGETS = ["direct", "direct_2leg", *(f"ours_{s}" for s in SERVERS), "toy"]
+WARMUP = 50  # requests per target before the measured rounds
 BODY = {"model": "bench", "prompt": "hello " * 32, "max_tokens": 4, "temperature": 0}
 
 
@@ -125,7 +128,7 @@ async def measure_throughput(urls, duration_s: float, concurrency: int) -> list[
     return samples
 
 
-def summarize(samples: list[dict]) -> list[dict]:
+def summarize(samples: list[dict], cpu_us: dict[str, float] | None = None) -> list[dict]:
     lat = {
         t: [s["ms"] for s in samples if s["phase"] == "latency" and s["target"] == t]
         for t in TARGETS
@@ -146,6 +149,8 @@ def summarize(samples: list[dict]) -> list[dict]:
                 "added_p50_ms_vs_direct": p[50] - base[50],
                 "added_p99_ms_vs_direct": p[99] - base[99],
                 "added_p50_ms_vs_2leg": p[50] - base2[50],
+                "ratio_p50_vs_2leg": p[50] / base2[50],
+                "server_cpu_us_per_req": (cpu_us or {}).get(t, float("nan")),
                 "max_rps": rps.get(t, float("nan")),
                 "rps_vs_toy": rps.get(t, float("nan")) / rps["toy"]
                 if rps.get("toy")
@@ -212,12 +217,16 @@ def main(argv: list[str] | None = None) -> int:
             "benchmarks.toy_proxy", "--prefill", urls["prefill"], "--decode", urls["decode"],
             "--port", str(port),
         ], urls["toy"], log_dir))  # fmt: skip
-        samples = asyncio.run(measure_latency(urls, rounds, per_round, warmup=50))
+        servers = [p for p in procs if p.name not in ("prefill", "decode")]
+        cpu_before = {p.name: p.cpu_s() for p in servers}
+        samples = asyncio.run(measure_latency(urls, rounds, per_round, warmup=WARMUP))
+        served = WARMUP + rounds * per_round
+        cpu_us = {p.name: (p.cpu_s() - cpu_before[p.name]) / served * 1e6 for p in servers}
         samples += asyncio.run(measure_throughput(urls, duration_s, args.concurrency))
     finally:
         for p in reversed(procs):
             p.stop(grace_s=5)
-    rows = summarize(samples)
+    rows = summarize(samples, cpu_us)
     settings = {
         "mode": "full" if args.full else "quick",
         "rounds": rounds,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -105,6 +106,9 @@ def test_proxy_benchmark_writes_table_json_and_plot(tmp_path, capsys):
     doc = _check_outputs(tmp_path, "proxy", capsys, {"target", "p50_ms", "p99_ms", "max_rps"})
     assert {r["target"] for r in doc.rows} == set(proxy.TARGETS)
     assert {s["phase"] for s in doc.samples} == {"latency", "throughput"}
+    cpu = {r["target"]: r["server_cpu_us_per_req"] for r in doc.rows}
+    assert all(cpu[t] > 0 for t in cpu if t.startswith("ours_") or t == "toy"), cpu
+    assert math.isnan(cpu["direct"]) and math.isnan(cpu["direct_2leg"]), cpu
 
 
 def test_transfer_benchmark_writes_table_json_and_plot(tmp_path, capsys):
