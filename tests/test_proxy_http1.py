@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from harness.tls import make_pki
 from mooncake_vllm.proxy import http1
 from mooncake_vllm.proxy.errors import FailureKind, LegDeadline, classify
 
@@ -342,3 +344,26 @@ def test_a_header_with_a_line_break_is_refused():
 )
 def test_origin_of_a_backend_url(url, origin):
     assert http1.Origin.of(url) == origin
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+async def test_an_https_backend_is_verified_against_the_default_trust(
+    tmp_path, monkeypatch, trusted
+):
+    pki = make_pki(tmp_path / "pki")
+    # The client's context is ssl.create_default_context(): OpenSSL reads SSL_CERT_FILE.
+    monkeypatch.setenv(
+        "SSL_CERT_FILE", str(pki.ca_cert if trusted else make_pki(tmp_path / "x").ca_cert)
+    )
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(pki.server_cert, pki.server_key)
+    server = await asyncio.start_server(_echo_forever, "127.0.0.1", 0, ssl=tls)
+    url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        client = _client()
+        if trusted:
+            assert await _call(client, url, b"abc") == (200, b'{"echo": 3}')
+        else:
+            with pytest.raises(http1.ConnectFailed, match="CERTIFICATE_VERIFY_FAILED"):
+                await _call(client, url)
+        await client.close()
