@@ -101,7 +101,9 @@ class HealthProber:
     async def probe(self, pool: BackendPool, backend: Backend) -> None:
         """One ``GET /health``: 200 means healthy, anything else (or no answer) means not."""
         timeout_s = self._backends.cfg.connect_timeout_s
-        session = self._session or self._backends.session
+        session = self._session
+        if session is None:
+            raise RuntimeError("the health prober is not started")
         try:
             async with session.get(
                 backend.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
