@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from harness.local_proxy import proxies
 from harness.servers import free_port
 from mooncake_vllm.proxy import drain, http1
+from mooncake_vllm.proxy.app import MAX_RELOADS
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.metrics import ProxyMetrics
@@ -353,7 +354,8 @@ async def test_local_episodes_are_logged_once_each_and_end_with_a_prefill_answer
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_failed_load_before_a_token_is_sent_again(stream, dispatch):
     """The decode's load failed (policy "fail": the prefill that held the KV went away): the
-    client never sees it; both legs go again, once, and the answer is the second decode's."""
+    client never sees it; both legs go again, up to ``MAX_RELOADS`` times, and the answer is the
+    decode's that loaded."""
     prefill, decode = Fake("prefill"), Fake("decode", failed_loads=1)
     async with contextlib.AsyncExitStack() as stack:
         p_url = await stack.enter_async_context(_serving(prefill.app()))
@@ -363,13 +365,17 @@ async def test_a_failed_load_before_a_token_is_sent_again(stream, dispatch):
         async with aiohttp.ClientSession() as http:
             answer = await _complete(http, proxy, stream=stream)
             reloaded = await _metric(http, proxy, "mooncake_proxy_dispatched_total", how="reloaded")
-            # Twice in a row: the second failure reaches the client as vLLM answered it.
-            decode.failed_loads = 2
+            # One failure more than the proxy re-sends: the last reaches the client as vLLM
+            # answered it.
+            decode.failed_loads = MAX_RELOADS + 1
             body = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream}
             async with http.post(proxy + "/v1/completions", json=body) as resp:
                 status, text = resp.status, await resp.text()
+            total = await _metric(http, proxy, "mooncake_proxy_dispatched_total", how="reloaded")
     assert "hello" in answer or "tok" in answer
     assert reloaded == 1
+    assert total - reloaded == MAX_RELOADS
+    assert decode.failed_loads == 0  # every failure was met by a re-send but the last
     assert len(prefill.seen) >= 2 and len(decode.seen) >= 2
     assert "Internal server error" in text
     assert status == (200 if stream else 500)

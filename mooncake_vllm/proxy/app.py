@@ -21,7 +21,7 @@ a backend refuses/resets the connection the backend is ejected; 502 (the prefill
                                         when the connection was never opened)
 no prefill takes the leg (none up, all  the decode gets a plain request and computes the
 draining or dropping it)                prompt itself (``dispatched_total{how="local"}``)
-a decode's KV load failed before a      both legs are sent again, once (``how="reloaded"``)
+a decode's KV load failed before a      both legs are sent again, up to 3 times (``how="reloaded"``)
 token (its prefill went away)
 no healthy decode                       503 naming the pool
 prefill or decode misses its deadline   504 naming the deadline and its flag
@@ -77,6 +77,10 @@ def quart_response(answer: Answer) -> Response:
 # ---- one client request -------------------------------------------------------------------------
 
 
+# How many times a request whose decode failed to load its KV is sent again (``generate``).
+MAX_RELOADS = 3
+
+
 async def generate(
     backends: Backends, ctx: RequestContext, body: dict[str, Any], raw: bytes
 ) -> Answer:
@@ -96,15 +100,24 @@ async def generate(
         return await respond(backends, ctx, body, leg)
     if backends.cfg.mode != "pool" and (prompts := prompt_list.prompts_to_split(body)):
         return await fanout.generate_each_prompt(backends, ctx, body, prompts)
-    try:
-        leg = await _both_legs(backends, ctx, body, raw, resendable=True)
-    except LoadFailed as e:
-        # The prefill that held the KV went away before the decode pulled it (a crash, or a
-        # drain past its --shutdown-timeout): nothing reached the client, so both legs go
-        # again, once; with no prefill left the decode computes the prompt itself.
-        backends.metrics.dispatched.labels("reloaded").inc()
-        logger.warning("%s %s; the request is sent again", ctx.request_id, e)
-        leg = await _both_legs(backends, ctx, body, raw, resendable=False)
+    # The decode's KV load failed before its first token: the prefill that held the KV went
+    # away (a crash, or a drain past its --shutdown-timeout), or the request waited in the
+    # decode's queue past the lease (lease_ttl_s) under pressure. Nothing reached the client, so
+    # both legs go again, up to MAX_RELOADS times within --timeout-s; with no prefill left the
+    # decode computes the prompt itself. A re-sent request queues again, so under sustained
+    # pressure its lease can expire again too (seen: twice in a row for one request).
+    reloads = 0
+    while True:
+        try:
+            leg = await _both_legs(backends, ctx, body, raw, resendable=reloads < MAX_RELOADS)
+            break
+        except LoadFailed as e:
+            reloads += 1
+            backends.metrics.dispatched.labels("reloaded").inc()
+            logger.warning(
+                "%s %s; the request is sent again (%d of %d)", ctx.request_id, e, reloads,
+                MAX_RELOADS,
+            )  # fmt: skip
     return await respond(backends, ctx, body, leg)
 
 
@@ -128,7 +141,7 @@ async def respond(
     if not rewrite.wants_stream(body):
         raw = await legs.read_decode(backends, leg)
         backends.metrics.first_decode_byte_seconds.observe(time.monotonic() - ctx.started_s)
-        content_type = leg.response.headers.get("Content-Type", "application/json")
+        content_type = leg.response.headers.get("content-type", "application/json")
         return Answer(leg.response.status, raw, content_type.encode("latin-1"))
     return Answer.event_stream(leg.response.status, DecodeStream(backends, leg, ctx))
 
