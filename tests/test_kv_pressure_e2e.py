@@ -11,8 +11,9 @@ preempts a running request and re-admits it later (recomputing what it dropped).
 that may show in the answers: each equals the plain vLLM's (the shared cluster's, at
 ``--max-model-len`` 16 384); a pull fails only when its request waited in the decode's queue
 past the prefill's ``lease_ttl_s``, and then the proxy sends it again, up to three times (a
-re-sent request queues again; vLLM's default policy makes the failure a 500 the client never sees); at the end neither side holds a lease or a
-block. The producer's held bytes, sampled while the load runs, never exceed its KV cache.
+re-sent request queues again; vLLM's default policy makes the failure a 500 the client never
+sees); at the end neither side holds a lease or a block. The producer's held bytes, sampled
+while the load runs, never exceed its KV cache.
 """
 
 from __future__ import annotations
