@@ -1,4 +1,4 @@
-"""Calling a backend: the pools, the HTTP session, and the one failover path both legs take.
+"""Calling a backend: the pools, the HTTP client, and the one failover path both legs take.
 
 ``Backends.call`` is what happens when a backend fails: it picks a healthy backend of the pool,
 gives the call the leg's deadline, counts it in flight, classifies an exception (``errors``), and

@@ -30,6 +30,7 @@ import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httptools
 
@@ -62,20 +63,12 @@ class Origin:
 
     @classmethod
     def of(cls, url: str) -> Origin:
-        scheme, _, netloc = url.partition("://")
-        if scheme not in ("http", "https") or not netloc:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{url!r} is not an http(s)://HOST[:PORT] URL")
-        host, port = netloc, None
-        if netloc.startswith("["):  # [IPv6]:port
-            bracket = netloc.index("]")
-            host, rest = netloc[1:bracket], netloc[bracket + 1 :]
-            if rest.startswith(":"):
-                port = int(rest[1:])
-        elif ":" in netloc:
-            host, _, port_text = netloc.rpartition(":")
-            port = int(port_text)
-        tls = scheme == "https"
-        return cls(host, port if port is not None else (443 if tls else 80), netloc, tls)
+        tls = parts.scheme == "https"
+        port = parts.port if parts.port is not None else (443 if tls else 80)
+        return cls(parts.hostname, port, parts.netloc, tls)
 
 
 def _ends_at_close(response: Response) -> bool:
