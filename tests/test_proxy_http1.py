@@ -68,6 +68,11 @@ def _client(**kw) -> http1.Client:
     )
 
 
+async def _open(client: http1.Client, url: str, timeout_s: float = 5.0) -> http1.Response:
+    """A bodiless POST to /s, its answer's head read."""
+    return await client.request("POST", url, "/s", headers={}, body=b"", timeout_s=timeout_s)
+
+
 async def _call(client: http1.Client, url: str, body: bytes = b"{}", timeout_s: float = 5.0):
     resp = await client.request(
         "POST", url, "/v1/completions", headers={"X-Request-Id": "r"}, body=body,
@@ -167,7 +172,7 @@ async def test_the_deadline_also_covers_a_stream_s_body():
 
     async with _server(slow_stream) as (url, _):
         client = _client()
-        resp = await client.request("POST", url, "/s", headers={}, body=b"", timeout_s=0.3)
+        resp = await _open(client, url, timeout_s=0.3)
         assert await resp.read_some() == b"hello"
         with pytest.raises(asyncio.TimeoutError):
             await resp.read_some()
@@ -189,7 +194,7 @@ async def test_a_chunked_stream_is_read_as_it_arrives_and_released_for_reuse():
     async with _server(stream) as (url, peers):
         client = _client()
         for _ in range(2):
-            resp = await client.request("POST", url, "/s", headers={}, body=b"", timeout_s=5)
+            resp = await _open(client, url)
             assert resp.content_type == "text/event-stream"
             chunks = []
             while chunk := await resp.read_some():
@@ -214,7 +219,7 @@ async def test_close_drops_the_connection_mid_answer_and_release_of_a_partial_an
     async with _server(stream) as (url, peers):
         client = _client()
         for end in (http1.Response.close, http1.Response.release):
-            resp = await client.request("POST", url, "/s", headers={}, body=b"", timeout_s=5)
+            resp = await _open(client, url)
             assert await resp.read_some() == b"one"
             end(resp)
             assert resp.ended
@@ -231,7 +236,7 @@ async def test_a_connection_cut_mid_body_is_a_drop_after_the_bytes_that_came():
 
     async with _server(cut) as (url, _):
         client = _client()
-        resp = await client.request("POST", url, "/s", headers={}, body=b"", timeout_s=5)
+        resp = await _open(client, url)
         assert await resp.read_some() == b"partial"
         with pytest.raises(http1.ConnectionDropped) as caught:
             await resp.read_some()
