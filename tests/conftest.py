@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -85,11 +86,20 @@ LOAD_TIMEOUT_S = 10.0
 # ---- servers started ahead, beside tests that leave a core idle ---------------------------------
 # A vLLM start keeps a core busy for most of a minute (imports); most tests send a request at a
 # time and leave a core idle. So the tests without servers run first, beside the shared cluster's
-# start; and a module with servers of its own may define ``prestart(cluster, tmp_path_factory)``
-# (returning what its module fixture starts, taken with ``prestarted``), which the module that
-# runs before it begins in the background if it says its tests may share the machine
+# start; and a module with servers of its own may define ``prestart(cluster, tmp)`` (``tmp``
+# a directory of its own; returning what its module fixture starts, taken with ``prestarted``),
+# which the module that runs before it begins in the background if it says its tests may share
+# the machine
 # (``SHARES_THE_MACHINE = True``: none of its assertions depends on timing). These modules run
 # first among those with servers, in this order; the others follow alphabetically.
+#
+# A background start gets directories, never ``tmp_path_factory``: pytest's factory makes its
+# base directory lazily and not thread-safely (``getbasetemp``, pytest 9.2), so a thread calling
+# ``mktemp`` while the first unit test asks for ``tmp_path`` could make a second base directory
+# and fail with "pd is not a normalized and relative path" (issue 53: 274 errors on a fresh
+# machine). Every directory a background job writes to is made on the main thread before the
+# job is submitted (``_cluster_start``, ``pytest_runtest_setup``); tests/test_suite_threads.py
+# proves it with a slowed factory.
 SERVER_MODULES_FIRST = ["test_api_matrix_e2e", "test_layout_e2e"]
 _ahead: dict[str, Future] = {}
 _session: dict = {}  # the cluster's start, tmp_path_factory and a thread pool, once they exist
@@ -115,7 +125,8 @@ def pytest_runtest_setup(item):
     nxt = next((i.module for i in items[items.index(item) :] if i.module is not module), None)
     if nxt is None or not hasattr(nxt, "prestart") or "pool" not in _session:
         return
-    cluster, tmp = _session["cluster"], _session["tmp"]
+    cluster = _session["cluster"]
+    tmp = _session["tmp"].mktemp(nxt.__name__)  # on the main thread: see above
     _ahead[nxt.__name__] = _session["pool"].submit(lambda: nxt.prestart(cluster.result(), tmp))
 
 
@@ -134,8 +145,10 @@ def _cluster_start(request, tmp_path_factory):
         yield None
         return
     model = request.getfixturevalue("tiny_model")  # built here: tests may build it too
+    # Made here, on the main thread, before the thread starts (see "A background start" above).
+    tmp = tmp_path_factory.mktemp("pd")
     with ThreadPoolExecutor(2, thread_name_prefix="servers-ahead") as pool:
-        start = pool.submit(_start_cluster, model, tmp_path_factory)
+        start = pool.submit(_start_cluster, model, tmp)
         _session.update(cluster=start, tmp=tmp_path_factory, pool=pool)
         yield start
         if not all(f.done() for f in (start, *_ahead.values())):
@@ -160,7 +173,7 @@ def cluster(_cluster_start: Future | None):
             print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
 
 
-def _start_cluster(model: str, tmp_path_factory) -> Cluster:
+def _start_cluster(model: str, tmp: Path) -> Cluster:
     from harness.pd import (
         DECODE_HOST,
         PREFILL_HOST,
@@ -174,7 +187,6 @@ def _start_cluster(model: str, tmp_path_factory) -> Cluster:
     # The shared pair runs with a shared secret, as a cluster reachable by others should: every
     # test on it goes through the authenticated side channel (the one-address new-user setup
     # and the other modules' own pairs run without one).
-    tmp = tmp_path_factory.mktemp("pd")
     secret = tmp / "secret"
     secret.write_text(new_secret() + "\n")
     cfg = mooncake_json(tmp / "mooncake.json", auth_secret_file=str(secret))

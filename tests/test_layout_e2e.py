@@ -23,6 +23,7 @@ before any byte moves.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from conftest import LOAD_TIMEOUT_S, NARROW_HOST, WIDE_HOST, prestarted
@@ -54,13 +55,13 @@ def _engine_args(host: str, port: int, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engines(cluster, tmp_path_factory):
-    started = prestarted(__name__, lambda: prestart(cluster, tmp_path_factory))
+    started = prestarted(__name__, lambda: prestart(cluster, tmp_path_factory.mktemp("layout")))
     yield started
     for server in started:
         server.stop()
 
 
-def prestart(cluster, tmp_path_factory) -> list:
+def prestart(cluster, tmp: Path) -> list:
     """wide: TP2 (two worker processes); narrow: 64-token blocks. Both producer and consumer,
     vLLM's default failure policy, no prefix caching. (Begun by the API matrix's module, which
     runs before this one: see conftest.)"""
