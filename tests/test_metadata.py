@@ -15,12 +15,14 @@ import pytest
 import redis
 
 from harness import servers
-from mooncake_vllm.transfer.store_bridge import MetadataBridge, MetadataUnavailable
+from mooncake_vllm.transfer.store_bridge import KeyScope, MetadataBridge, MetadataUnavailable
 from mooncake_vllm.transfer.stores import MetadataTarget, StoreUnavailable, open_store
 
 pytestmark = pytest.mark.servers
 
 KINDS = ["etcd", "redis", "http", "mooncake-http"]
+# The bridge tests' engine: it owns "mine" and reads its peer's "theirs".
+SCOPE = KeyScope(frozenset({"mine"}), readable_prefixes=("theirs",))
 
 
 def _start(kind: str, port: int | None = None):
@@ -104,7 +106,7 @@ async def test_our_http_server_persists_and_reports_health(tmp_path):
 def test_bridge_rides_out_a_redis_outage_and_republishes_on_its_return():
     srv = servers.start_redis()
     port = srv.port
-    bridge = MetadataBridge(_target("redis", srv), ttl_s=3)
+    bridge = MetadataBridge(_target("redis", srv), ttl_s=3, scope=SCOPE)
     try:
         r = redis.Redis(port=port)
         bridge.publish("mine", b"segment")
@@ -140,7 +142,7 @@ def test_unreachable_store_fails_at_startup_with_the_fix(kind):
     }[kind]
     start = time.monotonic()
     with pytest.raises(MetadataUnavailable) as exc:
-        MetadataBridge(target)
+        MetadataBridge(target, scope=SCOPE)
     assert time.monotonic() - start < 15
     message = str(exc.value)
     assert f"metadata_server ({kind} " in message
@@ -150,7 +152,7 @@ def test_unreachable_store_fails_at_startup_with_the_fix(kind):
 
 def test_a_bridge_that_dies_is_reported_and_later_operations_fail_with_the_cause(caplog):
     srv = servers.start_redis()
-    bridge = MetadataBridge(_target("redis", srv), ttl_s=3)
+    bridge = MetadataBridge(_target("redis", srv), ttl_s=3, scope=SCOPE)
     try:
         bridge.publish("mine", b"segment")
         os.kill(bridge._proc.pid, signal.SIGKILL)  # e.g. the OOM killer

@@ -17,7 +17,12 @@ from harness import servers
 from mooncake_vllm.core.settings import ConfigError
 from mooncake_vllm.p2p.config import load_settings
 from mooncake_vllm.transfer.http_store import main as metadata_server_main
-from mooncake_vllm.transfer.store_bridge import MetadataBridge, MetadataUnavailable, metadata_app
+from mooncake_vllm.transfer.store_bridge import (
+    KeyScope,
+    MetadataBridge,
+    MetadataUnavailable,
+    metadata_app,
+)
 from mooncake_vllm.transfer.stores import (
     MemoryStore,
     MetadataAuth,
@@ -178,7 +183,7 @@ def test_credentials_must_fit_the_store(server, fields, expected, secret_file, t
         with pytest.raises(ValueError, match="metadata_auth"):
             open_store(target, auth)
         with pytest.raises(MetadataUnavailable, match="cannot be used"):
-            MetadataBridge(target, auth=auth)  # refused before any process starts
+            MetadataBridge(target, auth=auth, scope=KeyScope(frozenset()))  # before any process
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ import redis
 
 from harness import servers
 from harness.tls import make_pki
-from mooncake_vllm.transfer.store_bridge import MetadataBridge, MetadataUnavailable
+from mooncake_vllm.transfer.store_bridge import KeyScope, MetadataBridge, MetadataUnavailable
 from mooncake_vllm.transfer.stores import (
     MetadataAuth,
     StoreAuthError,
@@ -340,7 +340,8 @@ async def test_http_metadata_server_refuses_every_request_without_its_token(http
 
 
 def _bridge_round_trip(target, auth: MetadataAuth) -> None:
-    bridge = MetadataBridge(target, ttl_s=5, auth=auth)
+    key = f"mooncake/ram/auth-bridge-{secrets.token_hex(4)}"
+    bridge = MetadataBridge(target, ttl_s=5, auth=auth, scope=KeyScope(frozenset({key})))
     try:
         # The store's URL and credentials are not on the bridge's command line.
         cmdline = Path(f"/proc/{bridge._proc.pid}/cmdline").read_bytes().decode()
@@ -348,7 +349,6 @@ def _bridge_round_trip(target, auth: MetadataAuth) -> None:
         for endpoint in target.endpoints:
             assert endpoint not in cmdline
         _assert_no_secret(cmdline)
-        key = f"mooncake/ram/auth-bridge-{secrets.token_hex(4)}"
         bridge.publish(key, b"segment")
         assert bridge.lookup(key) == b"segment"
         assert bridge.lookup(key + "-absent") is None
@@ -392,7 +392,7 @@ def test_a_bridge_with_wrong_credentials_stops_the_worker_at_startup(
         target = http_with_token
         auth, expected = MetadataAuth(token_file=files["wrong"]), "refused the bearer token"
     with pytest.raises(MetadataUnavailable) as exc:
-        MetadataBridge(target, auth=auth)
+        MetadataBridge(target, auth=auth, scope=KeyScope(frozenset()))
     message = str(exc.value)
     assert f"metadata_server ({target.describe()}) cannot be used" in message
     assert expected in message

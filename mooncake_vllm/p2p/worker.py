@@ -89,7 +89,7 @@ from mooncake_vllm.p2p.stats import MooncakeStats
 from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.p2p.upstream import BootstrapError, BootstrapResolver
 from mooncake_vllm.transfer.engine import TransferAgent
-from mooncake_vllm.transfer.store_bridge import MetadataBridge
+from mooncake_vllm.transfer.store_bridge import KeyScope, MetadataBridge
 from mooncake_vllm.transfer.stores import P2P_HANDSHAKE
 
 logger = logging.getLogger(__name__)
@@ -267,7 +267,12 @@ class WorkerHalf:
         metadata_arg = P2P_HANDSHAKE
         if cfg.metadata.kind != "p2p":
             self._bridge = MetadataBridge(
-                cfg.metadata, ttl_s=s.metadata_ttl_s, auth=s.metadata_auth
+                cfg.metadata,
+                ttl_s=s.metadata_ttl_s,
+                auth=s.metadata_auth,
+                scope=KeyScope.for_engine(
+                    cfg.engine_id, self._tp_rank, cfg.engine_hostname(self._tp_rank)
+                ),
             )
             metadata_arg = self._bridge.url
         try:

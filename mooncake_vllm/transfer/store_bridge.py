@@ -4,6 +4,13 @@ The transfer engine's http metadata client speaks ``GET/PUT/DELETE <url>?key=<ke
 absent). ``metadata_app`` serves that from a store; ``python -m mooncake_vllm.transfer.http_store``
 runs it over a ``MemoryStore``, and each worker's bridge process (``MetadataBridge``) runs it
 over the configured etcd/redis/http store, with a cache and a heartbeat (see ``stores``).
+
+The bridge holds the engine's store credentials, and any local user can reach 127.0.0.1, so it
+serves only its own engine: its URL carries a secret made at its start
+(``http://127.0.0.1:PORT/<secret>/metadata``, the only thing the C++ client can carry: it appends
+``?key=`` to the URL it was given), handed to the worker over a pipe; and it passes on only the
+keys of its engine's ``KeyScope``. Anything else is answered 403, counted and logged at most
+every ``REFUSAL_LOG_PERIOD_S``.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -25,12 +33,15 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from aiohttp import web
 
 from mooncake_vllm.core import os_threads
+from mooncake_vllm.core.registry import registry_key, serving_key
 from mooncake_vllm.transfer.stores import (
     MetadataAuth,
     MetadataTarget,
@@ -51,7 +62,10 @@ class KeyValue(Protocol):
 
 
 def metadata_app(
-    kv: KeyValue, path: str = "/metadata", token: str | None = None
+    kv: KeyValue,
+    path: str = "/metadata",
+    token: str | None = None,
+    middlewares: Iterable[Callable] = (),
 ) -> web.Application:
     """The engine's http metadata protocol (plus ``ttl`` seconds on PUT, ``GET ?prefix=P`` listing
     ``{key: base64 value}`` for discovery, and ``GET /health``).
@@ -115,13 +129,119 @@ def metadata_app(
             )
         return await handler(request)
 
-    middlewares = [require_token] if token else []
-    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=middlewares)
+    checks = [require_token] if token else []
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[*middlewares, *checks])
     app.router.add_get(path, get)
     app.router.add_put(path, put)
     app.router.add_delete(path, delete)
     app.router.add_get("/health", health)
     return app
+
+
+# The keys the transfer engine reads and writes (Mooncake's transfer_metadata.cpp): a segment's
+# descriptor and its RPC address, both named by the segment (the hostname it was initialized
+# with, ``host:port``).
+TE_SEGMENT_PREFIX = "mooncake/ram/"
+TE_RPC_META_PREFIX = "mooncake/rpc_meta/"
+# Where every engine's registry records live (``registry_key``): a consumer reads a producer's.
+ENGINES_PREFIX = registry_key("", 0).removesuffix("/0")
+
+
+@dataclass(frozen=True)
+class KeyScope:
+    """The keys one engine's bridge passes on to the store.
+
+    PUT and DELETE: only ``own`` (the engine's segment, its RPC address, its registry and
+    serving records). GET: those and any key under ``readable_prefixes``, which the engine
+    reads to reach its peers (their segments, RPC addresses and registry records). Listing
+    (``GET ?prefix=``) never: the engine does not list, discovery reads the store itself."""
+
+    own: frozenset[str]
+    readable_prefixes: tuple[str, ...] = (TE_SEGMENT_PREFIX, TE_RPC_META_PREFIX, ENGINES_PREFIX)
+
+    @classmethod
+    def for_engine(cls, engine_id: str, tp_rank: int, segment: str) -> KeyScope:
+        """The scope of TP rank ``tp_rank`` of ``engine_id``, whose transfer engine was
+        initialized with hostname ``segment``."""
+        return cls(
+            frozenset(
+                {
+                    TE_SEGMENT_PREFIX + segment,
+                    TE_RPC_META_PREFIX + segment,
+                    registry_key(engine_id, tp_rank),
+                    serving_key(engine_id),
+                }
+            )
+        )
+
+    def may_write(self, key: str) -> bool:
+        return key in self.own
+
+    def may_read(self, key: str) -> bool:
+        return key in self.own or key.startswith(self.readable_prefixes)
+
+
+# How often, at most, the bridge logs the requests it refused (a local process hammering it
+# must not fill the worker's log); each line says how many were refused since the last.
+REFUSAL_LOG_PERIOD_S = 10.0
+
+
+class Refusals:
+    """The requests a bridge refused, by reason (``no_secret``, ``foreign_key``, ``listing``),
+    logged at most every ``period_s``: the first at once, later ones summed into the next line."""
+
+    def __init__(
+        self,
+        period_s: float = REFUSAL_LOG_PERIOD_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.counts: Counter[str] = Counter()
+        self._unlogged: Counter[str] = Counter()
+        self._period_s = period_s
+        self._clock = clock
+        self._next_log = float("-inf")
+
+    def refuse(self, reason: str, what: str) -> web.Response:
+        self.counts[reason] += 1
+        self._unlogged[reason] += 1
+        now = self._clock()
+        if now >= self._next_log:
+            logger.warning(
+                "metadata bridge refused %s (403); refused since the last report: %s",
+                what,
+                dict(self._unlogged),
+            )
+            self._unlogged.clear()
+            self._next_log = now + self._period_s
+        return web.Response(status=403, text=f"refused: {what}")
+
+
+def bridge_app(
+    kv: KeyValue, secret: str, scope: KeyScope, refusals: Refusals | None = None
+) -> web.Application:
+    """``metadata_app`` at ``/<secret>/metadata``, passing on only ``scope``'s keys; every
+    other request (another path, no secret, a foreign key, a listing) is answered 403."""
+    path = f"/{secret}/metadata"
+    refusals = refusals or Refusals()
+
+    @web.middleware
+    async def guard(request: web.Request, handler) -> web.StreamResponse:
+        if not hmac.compare_digest(request.path.encode(), path.encode()):
+            return refusals.refuse("no_secret", f"{request.method} without the bridge's secret")
+        key = request.query.get("key")
+        if key is None:
+            if request.method == "GET" and "prefix" in request.query:
+                return refusals.refuse("listing", "a listing (the engine never lists)")
+            return await handler(request)  # answered 400 (missing ?key=)
+        allowed = scope.may_read(key) if request.method == "GET" else scope.may_write(key)
+        if not allowed:
+            shown = key if len(key) <= 200 else f"{key[:200]}..."
+            return refusals.refuse(
+                "foreign_key", f"{request.method} of {shown!r}, not this engine's key"
+            )
+        return await handler(request)
+
+    return metadata_app(kv, path=path, middlewares=[guard])
 
 
 class MetadataUnavailable(RuntimeError):
@@ -197,10 +317,15 @@ class _CachedStore:
 
 
 async def serve_bridge(
-    target: MetadataTarget, ttl_s: float, parent_pid: int, auth: MetadataAuth | None = None
+    target: MetadataTarget,
+    ttl_s: float,
+    parent_pid: int,
+    scope: KeyScope,
+    auth: MetadataAuth | None = None,
 ) -> None:
-    """Body of the bridge process: ping the store, serve, heartbeat; on SIGTERM/SIGINT or when
-    the parent (the worker) is gone, delete the keys this engine owned and return."""
+    """Body of the bridge process: ping the store, serve ``scope``'s keys at a secret URL,
+    heartbeat; on SIGTERM/SIGINT or when the parent (the worker) is gone, delete the keys this
+    engine owned and return."""
     try:
         kv = _CachedStore(open_store(target, auth), ttl_s)
     except ValueError as e:  # credentials that do not fit the store, or a file gone since
@@ -212,10 +337,12 @@ async def serve_bridge(
         print(f"ERROR {e}", flush=True)
         await kv.store.close()
         return
-    runner = web.AppRunner(metadata_app(kv), access_log=None)
+    # The secret reaches only the worker (over our stdout pipe) and its transfer engine.
+    secret = secrets.token_urlsafe(32)
+    runner = web.AppRunner(bridge_app(kv, secret, scope), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
-    print(f"READY http://127.0.0.1:{runner.addresses[0][1]}/metadata", flush=True)
+    print(f"READY http://127.0.0.1:{runner.addresses[0][1]}/{secret}/metadata", flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches the worker's whole group
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -245,7 +372,10 @@ class MetadataBridge:
         ttl_s: float = 30.0,
         start_timeout_s: float = 20.0,
         auth: MetadataAuth | None = None,
+        *,
+        scope: KeyScope,
     ):
+        """``scope``: the keys this engine may write and read (``KeyScope.for_engine``)."""
         self.target = target
         auth = auth or MetadataAuth()
         try:
@@ -277,6 +407,8 @@ class MetadataBridge:
             "endpoints": list(target.endpoints),
             "tls": target.tls,
             "auth": auth.model_dump(exclude_none=True),
+            "own": sorted(scope.own),
+            "readable_prefixes": list(scope.readable_prefixes),
         }
         assert self._proc.stdin is not None
         with contextlib.suppress(BrokenPipeError):
@@ -292,7 +424,7 @@ class MetadataBridge:
                 "the server, fix metadata_server (or metadata_auth), or use 'P2PHANDSHAKE' (no "
                 "metadata server)"
             )
-        self.url = first.split(" ", 1)[1].strip()
+        self.url = first.split(" ", 1)[1].strip()  # holds the secret: never log it
         self._closing = False
         self.death: str | None = None  # why the bridge process is gone, once it is
         threading.Thread(target=self._watch, name="mooncake-bridge-watch", daemon=True).start()
@@ -357,8 +489,9 @@ def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Started by ``MetadataBridge``: reads ``{"kind", "endpoints", "tls", "auth"}`` as one JSON
-    line on stdin, then says ``READY <url>`` or ``ERROR <why>`` on stdout."""
+    """Started by ``MetadataBridge``: reads ``{"kind", "endpoints", "tls", "auth", "own",
+    "readable_prefixes"}`` as one JSON line on stdin, then says ``READY <url>`` or ``ERROR
+    <why>`` on stdout."""
     parser = argparse.ArgumentParser(description="metadata bridge (started by the connector)")
     parser.add_argument("--ttl-s", type=float, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
@@ -382,7 +515,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # a file or variable that went away since the worker checked it
         print(f"ERROR metadata_auth: {e}", flush=True)
         return
-    asyncio.run(serve_bridge(target, args.ttl_s, args.parent_pid, auth))
+    scope = KeyScope(frozenset(spec["own"]), tuple(spec["readable_prefixes"]))
+    asyncio.run(serve_bridge(target, args.ttl_s, args.parent_pid, scope, auth))
 
 
 if __name__ == "__main__":
