@@ -183,7 +183,7 @@ def create_app(cfg: ProxyConfig) -> Quart:
     )
     app.extensions["registry_follower"] = follower  # tests wait on its rounds
     subscriber = (
-        KvEventSubscriber(backends.cache, cfg.kv_event_endpoints())
+        KvEventSubscriber(backends.cache, cfg.kv_event_endpoints(), metrics)
         if backends.cache is not None
         else None
     )

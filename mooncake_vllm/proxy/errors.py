@@ -69,6 +69,9 @@ class LegDeadline:
 class FailureKind(str, enum.Enum):
     CONNECT = "connect"  # no connection was opened: the backend never saw the request
     DISCONNECT = "disconnect"  # the connection broke after the request may have been sent
+    # The answer broke HTTP/1.1 or one of the leg client's bounds (``http1.BadAnswer``); the
+    # backend may have acted on the request, as for a disconnect.
+    PROTOCOL = "protocol"
     TIMEOUT = "timeout"  # our deadline passed; the backend may just be busy
     DRAINING = "draining"  # it is shutting down and refused the request without acting on it
 
@@ -90,6 +93,10 @@ def classify(
     if isinstance(exc, asyncio.TimeoutError):
         message = f"{leg} backend {url} timed out after {deadline.limit_s:g}s ({deadline.flag})"
         return BackendFailure(FailureKind.TIMEOUT, message)
+    if isinstance(exc, http1.BadAnswer):
+        return BackendFailure(
+            FailureKind.PROTOCOL, f"{leg} backend {url} sent a broken answer: {exc}"
+        )
     if isinstance(exc, http1.ConnectionDropped):
         detail = str(exc) or type(exc).__name__
         return BackendFailure(

@@ -19,7 +19,15 @@ here:
 - ``close()`` drops the connection (vLLM aborts a request whose client went away);
   ``release()`` keeps a fully read one for the next call;
 - failures as two exceptions that say whether the backend can have seen the request
-  (``ConnectFailed``: no) or not known (``ConnectionDropped``), and ``asyncio.TimeoutError``.
+  (``ConnectFailed``: no) or not known (``ConnectionDropped``, and ``BadAnswer`` when what came
+  back broke HTTP/1.1 or a bound below), and ``asyncio.TimeoutError``.
+
+A backend's answer is read strictly and within bounds, so a broken or hostile backend costs the
+proxy one call, never its memory: at most ``MAX_HEADER_COUNT`` headers and ``MAX_HEAD_BYTES``
+of status line and headers (1xx heads included, which are skipped), at most
+``max_body_bytes`` of a body read whole (``read``), a stream's unread bytes under a high-water
+mark; a byte after the answer's end, a 101, or a body the connection's reset cut short is an
+error and the connection is closed, never reused.
 """
 
 from __future__ import annotations
@@ -34,9 +42,19 @@ from urllib.parse import urlsplit
 
 import httptools
 
+# Bounds on an answer's head, as servers bound a request's (Apache: 100 header fields; Node:
+# 16 KiB of head). vLLM's answers carry under 10 headers.
+MAX_HEADER_COUNT = 100
+MAX_HEAD_BYTES = 64 * 1024  # the status lines and headers of the final answer and any 1xx
+# A body read whole (``Response.read``), far above a vLLM JSON answer; a stream is not bounded
+# in length, only in what is buffered of it (the marks below).
+MAX_BODY_BYTES = 64 * 1024 * 1024
 # Reading a streamed answer pauses above this many unread bytes and resumes below the low mark.
 _HIGH_WATER_BYTES = 4 * 1024 * 1024
 _LOW_WATER_BYTES = 1024 * 1024
+# What a buffered chunk costs beyond its bytes, counted against the marks: a stream of tiny
+# chunks pauses as soon as one of big chunks, not after millions of objects.
+_CHUNK_OVERHEAD_BYTES = 64
 
 
 class BackendIOError(Exception):
@@ -48,8 +66,14 @@ class ConnectFailed(BackendIOError):
 
 
 class ConnectionDropped(BackendIOError):
-    """The connection closed or broke once the request may have been sent, or the answer was
-    not HTTP."""
+    """The connection closed or broke once the request may have been sent, the answer's body
+    unfinished (its Content-Length not reached, its last chunk not come)."""
+
+
+class BadAnswer(ConnectionDropped):
+    """What the backend sent is not an HTTP/1.1 answer to the request, or passes one of the
+    bounds (``MAX_HEADER_COUNT``, ``MAX_HEAD_BYTES``, ``max_body_bytes``); the connection is
+    closed. The backend may have acted on the request."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +100,6 @@ def _ends_at_close(response: Response) -> bool:
     return (
         "content-length" not in headers
         and "transfer-encoding" not in headers
-        and response.status >= 200
         and response.status not in (204, 304)
     )
 
@@ -95,12 +118,16 @@ class Response:
 
     The caller must end it with ``release()`` or ``close()`` (both idempotent)."""
 
-    def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
+    def __init__(
+        self, conn: _Connection, status: int, headers: dict[str, str], max_body_bytes: int
+    ) -> None:
         self.status = status
         self.headers = headers  # names in lower case
         self._conn = conn
+        self._max_body_bytes = max_body_bytes
         self._chunks: collections.deque[bytes] = collections.deque()
         self._unread = 0
+        self._whole: bytearray | None = None  # the body so far, while read() waits for it
         self._complete = False  # the whole body has arrived
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -115,11 +142,27 @@ class Response:
     # ---- fed by the connection ------------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._unread += len(data)
-        if self._unread > _HIGH_WATER_BYTES:
-            self._conn.pause_reading()
+        """Raises BadAnswer past ``max_body_bytes`` of a body read whole (the parser stops)."""
+        whole = self._whole
+        if whole is not None:  # read() takes all of it: one buffer, not a chunk per piece
+            whole += data
+            if len(whole) > self._max_body_bytes:
+                raise self._too_large()
+        else:
+            self._chunks.append(data)
+            self._unread += len(data)
+            if self._buffered_bytes() > _HIGH_WATER_BYTES:
+                self._conn.pause_reading()
         self._wake()
+
+    def _buffered_bytes(self) -> int:
+        return self._unread + len(self._chunks) * _CHUNK_OVERHEAD_BYTES
+
+    def _too_large(self) -> BadAnswer:
+        return BadAnswer(
+            f"the answer's body is over {self._max_body_bytes} bytes, the most read whole"
+            " (http1.MAX_BODY_BYTES)"
+        )
 
     def _finish(self) -> None:
         self._complete = True
@@ -145,17 +188,30 @@ class Response:
     # ---- read by the caller ---------------------------------------------------------------------
 
     async def read(self) -> bytes:
-        """The whole body (kept: a second call returns it again)."""
+        """The whole body (kept: a second call returns it again); raises BadAnswer, and closes
+        the connection, when it is over ``max_body_bytes``."""
         if self._body is not None:
             return self._body
+        whole = self._whole
+        if whole is None:
+            whole = bytearray().join(self._chunks)
+            self._chunks.clear()
+            self._unread = 0
+            declared = self.headers.get("content-length")  # digits only: llhttp checked it
+            if len(whole) > self._max_body_bytes or (
+                declared is not None and int(declared) > self._max_body_bytes
+            ):
+                self._error = self._too_large()
+                self._conn.abort()  # nothing more of it is wanted, nor the connection
+                raise self._error
+            self._whole = whole
         while not self._complete:
             if self._error is not None:
                 raise self._error
             self._conn.resume_reading()  # all of it is wanted
             await self._wait()
-        self._body = b"".join(self._chunks)
-        self._chunks.clear()
-        self._unread = 0
+        self._body = bytes(whole)
+        self._whole = None
         return self._body
 
     async def read_some(self, limit: int | None = None) -> bytes:
@@ -175,7 +231,7 @@ class Response:
             data, rest = data[:limit], data[limit:]
             self._chunks.appendleft(rest)
         self._unread -= len(data)
-        if self._unread < _LOW_WATER_BYTES:
+        if self._buffered_bytes() < _LOW_WATER_BYTES:
             self._conn.resume_reading()
         return data
 
@@ -204,7 +260,10 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection, one call at a time."""
+    """One keep-alive connection, one call at a time.
+
+    The parser's callbacks raise BadAnswer for what breaks the answer's framing or a bound;
+    ``data_received`` fails the call with it and closes the connection."""
 
     def __init__(self, client: Client, origin: Origin) -> None:
         self.client = client
@@ -221,6 +280,12 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None
         self.counted = False  # holds one of its origin's connection slots (``Client._open``)
+        # This call's answer so far: the head's bytes (1xx heads too) and this head's header
+        # count; the final answer has ended.
+        self._head_bytes = 0
+        self._header_count = 0
+        self._informational = False  # the head being parsed is a 1xx
+        self._answered = False
 
     # ---- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -235,40 +300,88 @@ class _Connection(asyncio.Protocol):
             self.abort()  # bytes nobody asked for: the connection is not ours to trust
             return
         try:
+            if self._head is not None:  # the head is awaited: only so many bytes may make it
+                room = MAX_HEAD_BYTES - self._head_bytes
+                if len(data) > room:
+                    view = memoryview(data)
+                    self._parser.feed_data(view[:room])
+                    self._head_bytes = MAX_HEAD_BYTES
+                    if self._head is not None:
+                        raise BadAnswer(
+                            f"the answer's head is over {MAX_HEAD_BYTES} bytes"
+                            " (http1.MAX_HEAD_BYTES)"
+                        )
+                    data = view[room:]  # type: ignore[assignment]  # feed_data takes either
+                else:
+                    self._head_bytes += len(data)
             self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            cause = e.__context__
+            self._fail(cause if isinstance(cause, BadAnswer) else BadAnswer(str(e)))
+            self.abort()
+        except httptools.HttpParserUpgrade:
+            self._fail(BadAnswer("the backend switched protocols, which no call asks for"))
+            self.abort()
         except httptools.HttpParserError as e:
-            self._fail(ConnectionDropped(f"the answer is not HTTP/1.1: {e}"))
+            self._fail(BadAnswer(f"the answer is not HTTP/1.1: {e}"))
+            self.abort()
+        except BadAnswer as e:
+            self._fail(e)
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_timer()
         response = self._response
-        if response is not None and _ends_at_close(response):
-            response._finish()  # a body framed by the connection's end (neither length nor chunks)
+        if response is not None and exc is None and _ends_at_close(response):
+            # A body framed by the connection's end (neither length nor chunks) ends with an
+            # orderly close; a reset cut it short.
+            response._finish()
         self._fail(ConnectionDropped(f"connection lost: {exc}" if exc else "connection closed"))
         self.client._lost(self)
 
     # ---- httptools callbacks --------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self._answered:
+            # A second answer, or bytes the first one's framing did not cover: left to the next
+            # call, they would become its answer.
+            raise BadAnswer("bytes after the end of the answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > MAX_HEADER_COUNT:
+            raise BadAnswer(
+                f"the answer has over {MAX_HEADER_COUNT} headers (http1.MAX_HEADER_COUNT)"
+            )
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        headers, self._headers = self._headers, {}
+        self._header_count = 0
+        if status == 101:
+            raise BadAnswer("the backend switched protocols, which no call asks for")
+        self._informational = 100 <= status < 200
+        if self._informational:
+            return  # 100 Continue, 103 Early Hints: the final answer follows
         head, self._head = self._head, None
-        if head is None or head.done():  # an answer nobody waits for (a second one, or late)
-            self.abort()
-            return
-        response = Response(self, self._parser.get_status_code(), self._headers)
-        self._headers = {}
+        if head is None or head.done():  # an answer nobody waits for (a late one)
+            raise BadAnswer("an answer no call waits for")
+        response = Response(self, status, headers, self.client.max_body_bytes)
         self._response = response
         head.set_result(response)
 
     def on_body(self, body: bytes) -> None:
-        if self._response is not None:
-            self._response._feed(body)
+        if self._response is None:
+            raise BadAnswer("an informational (1xx) answer with a body")
+        self._response._feed(body)
 
     def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
+        self._answered = True
         self._keep_alive = self._parser.should_keep_alive()
         self._cancel_timer()
         if self._response is not None:
@@ -276,12 +389,19 @@ class _Connection(asyncio.Protocol):
 
     # ---- one call -------------------------------------------------------------------------------
 
+    @property
+    def open(self) -> bool:
+        """Neither closed nor closing (``abort`` was called; ``connection_lost`` will be)."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
     def send(self, request: bytes, deadline: float) -> asyncio.Future[Response]:
-        if self.closed or self.transport is None or self.transport.is_closing():
+        if not self.open:
             raise ConnectFailed("the connection closed before the request was sent")
         self._head = self.loop.create_future()
         self._response = None
         self._keep_alive = False
+        self._head_bytes = 0
+        self._answered = False
         self._timer = self.loop.call_at(deadline, self._time_out)
         self.transport.write(request)
         return self._head
@@ -306,7 +426,7 @@ class _Connection(asyncio.Protocol):
     def end_call(self, *, reuse: bool) -> None:
         self._cancel_timer()
         self._response = None
-        if reuse and self._keep_alive and not self.closed:
+        if reuse and self._keep_alive and self.open:
             self.resume_reading()
             self.client._keep(self)
         else:
@@ -331,11 +451,17 @@ class Client:
     """Calls to backends over keep-alive connections (see the module's text)."""
 
     def __init__(
-        self, *, keepalive_s: float, connect_timeout_s: float, limit_per_host: int
+        self,
+        *,
+        keepalive_s: float,
+        connect_timeout_s: float,
+        limit_per_host: int,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
         self.limit_per_host = limit_per_host
+        self.max_body_bytes = max_body_bytes
         self._origins: dict[str, Origin] = {}
         self._idle: dict[Origin, list[_Connection]] = {}
         self._open: collections.Counter[Origin] = collections.Counter()
@@ -392,7 +518,7 @@ class Client:
             idle = self._idle.get(origin)
             while idle:
                 conn = idle.pop()
-                if conn.closed:
+                if not conn.open:
                     continue
                 if loop.time() - conn.idle_since > self.keepalive_s:
                     conn.abort()

@@ -10,6 +10,9 @@ does) and remembers, per engine, which vLLM hash stands for which key, for ``Blo
 
 Pure and I/O-free, table-tested:
 
+- ``KvEvent``: the three events as msgspec types (``decode_event`` from msgpack,
+  ``parse_event`` from a dict), validated: a malformed event is a ``BadEvent``, never an index
+  half-updated;
 - ``block_keys``: the chained keys of a token sequence's full blocks;
 - ``KvIndex``: events in (``apply``), per engine the prompt tokens its cache holds as a leading
   run of blocks out (``matched_tokens``);
@@ -22,20 +25,108 @@ Pure and I/O-free, table-tested:
 A block is a hit only while the engine still holds every block before it (vLLM evicts a
 chain's tail first, and its prefix-cache lookup stops at the first miss), so the match is the
 leading run of keys the engine holds, not a count of keys anywhere in the prompt.
+
+Each engine's part is bounded (``MAX_BLOCKS_PER_ENGINE`` vLLM hashes): past it, the block
+stored or reported longest ago is forgotten first (``EngineCache.evicted_blocks``), as vLLM's
+own LRU would have evicted it first.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from mooncake_vllm.proxy import prefix
 
 # The chain's root: the "parent" of a prompt's first block.
 ROOT_KEY = 0
+
+# The vLLM hashes one engine's part of the index remembers; past it the oldest is forgotten.
+# An engine's prefix cache holds far fewer blocks (an 80 GB GPU: some 10^5 blocks of 16
+# tokens); at ~250 B a hash this caps an engine's part near 256 MiB.
+MAX_BLOCKS_PER_ENGINE = 1 << 20
+
+# ---- the events, as vLLM publishes them (vllm.distributed.kv_events) ---------------------------
+# A block hash: vLLM's ExternalBlockHash.
+BlockHash = bytes | int
+# A token id, as ``_chain`` packs it (a signed 64-bit int; vocabularies are far smaller).
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class BlockStored(msgspec.Struct, tag=True, kw_only=True, frozen=True):
+    """Full blocks entered the engine's prefix cache (or were hit again)."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[TokenId]
+    block_size: Annotated[int, msgspec.Meta(gt=0)]
+    group_idx: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, kw_only=True, frozen=True):
+    """Blocks were evicted from the engine's prefix cache."""
+
+    block_hashes: list[BlockHash]
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True):
+    """The engine's prefix cache was reset."""
+
+
+# vLLM's other fields (medium, lora_name, extra_keys, ...) are ignored; an event of another
+# type is a ``BadEvent`` with ``reason`` "unknown_type".
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+KNOWN_EVENT_TYPES = frozenset(t.__name__ for t in (BlockStored, BlockRemoved, AllBlocksCleared))
+
+
+class BadEvent(ValueError):
+    """An event we cannot apply. ``reason``: "unknown_type" (a type this proxy does not know:
+    harmless, skipped) or "invalid" (a known type whose fields are wrong: what it meant for
+    the index is lost)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class _Tagged(msgspec.Struct):
+    type: str
+
+
+_event_decoder = msgspec.msgpack.Decoder(KvEvent)
+_tag_decoder = msgspec.msgpack.Decoder(_Tagged)
+
+
+def _bad(e: msgspec.MsgspecError, tag: Any) -> BadEvent:
+    if isinstance(tag, str) and tag not in KNOWN_EVENT_TYPES:
+        return BadEvent("unknown_type", f"type {tag[:64]!r}")
+    return BadEvent("invalid", str(e))
+
+
+def decode_event(data: bytes) -> KvEvent:
+    """One event as msgpack encodes it (a map tagged ``type``); raises ``BadEvent``."""
+    try:
+        return _event_decoder.decode(data)
+    except msgspec.MsgspecError as e:
+        try:
+            tag = _tag_decoder.decode(data).type
+        except msgspec.MsgspecError:
+            tag = None
+        raise _bad(e, tag) from None
+
+
+def parse_event(event: Mapping[str, Any]) -> KvEvent:
+    """One event as a dict (``decode_event``'s map); raises ``BadEvent``."""
+    try:
+        return msgspec.convert(event, KvEvent)
+    except msgspec.MsgspecError as e:
+        raise _bad(e, event.get("type")) from None
 
 
 def _chain(parent: int, tokens: Sequence[int]) -> int:
@@ -59,24 +150,40 @@ class EngineCache:
 
     block_size: int | None = None  # learned from its first BlockStored
     # vLLM's hash of each block it holds → our key (for BlockRemoved, and as a later block's
-    # parent in BlockStored).
-    key_of: dict[Hashable, int] = field(default_factory=dict)
+    # parent in BlockStored), the block stored or reported longest ago first.
+    key_of: dict[BlockHash, int] = field(default_factory=dict)
     # Our key → how many of the engine's vLLM hashes stand for it (a cache_salt or LoRA gives
     # the same tokens a second vLLM hash).
     held: dict[int, int] = field(default_factory=dict)
     # Blocks we could not key: their parent was not known (its event came before we listened).
     unchained_blocks: int = 0
+    # Blocks forgotten to keep ``key_of`` within the index's bound.
+    evicted_blocks: int = 0
 
     def clear(self) -> None:
         self.key_of.clear()
         self.held.clear()
 
+    def forget(self, vllm_hash: BlockHash) -> None:
+        """The engine no longer holds ``vllm_hash`` (or we no longer remember it)."""
+        key = self.key_of.pop(vllm_hash, None)
+        if key is None:
+            return
+        left = self.held.get(key, 0) - 1
+        if left > 0:
+            self.held[key] = left
+        else:
+            self.held.pop(key, None)
+
 
 class KvIndex:
     """Per engine (by backend URL), the blocks its prefix cache holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks_per_engine: int = MAX_BLOCKS_PER_ENGINE) -> None:
+        if max_blocks_per_engine <= 0:
+            raise ValueError(f"max_blocks_per_engine={max_blocks_per_engine}: must be > 0")
         self.engines: dict[str, EngineCache] = {}
+        self.max_blocks_per_engine = max_blocks_per_engine
 
     def engine(self, url: str) -> EngineCache:
         return self.engines.setdefault(url, EngineCache())
@@ -90,35 +197,25 @@ class KvIndex:
         cache = self.engines.get(url)
         return 0 if cache is None else len(cache.held)
 
-    def apply(self, url: str, event: Mapping[str, Any]) -> None:
-        """One KV event from ``url``'s engine, as msgpack decodes it (a dict with ``type``)."""
-        kind = event.get("type")
+    def apply(self, url: str, event: KvEvent | Mapping[str, Any]) -> None:
+        """One KV event from ``url``'s engine: typed (``decode_event``), or a dict of the same
+        fields, validated here (``parse_event``; ``BadEvent`` before anything changes)."""
+        if not isinstance(event, KvEvent):
+            event = parse_event(event)
         cache = self.engine(url)
-        if kind == "AllBlocksCleared":
+        if isinstance(event, AllBlocksCleared):
             cache.clear()
-        elif kind == "BlockRemoved":
-            if event.get("group_idx") not in (None, 0):
-                return
-            for vllm_hash in event.get("block_hashes") or ():
-                key = cache.key_of.pop(_hashable(vllm_hash), None)
-                if key is None:
-                    continue
-                left = cache.held.get(key, 0) - 1
-                if left > 0:
-                    cache.held[key] = left
-                else:
-                    cache.held.pop(key, None)
-        elif kind == "BlockStored":
+        elif event.group_idx not in (None, 0):
+            return  # only the first KV cache group (a hybrid model's others cover the same tokens)
+        elif isinstance(event, BlockRemoved):
+            for vllm_hash in event.block_hashes:
+                cache.forget(vllm_hash)
+        else:
             self._stored(cache, event)
 
-    def _stored(self, cache: EngineCache, event: Mapping[str, Any]) -> None:
-        # Only the first KV cache group (a hybrid model's others cover the same tokens).
-        if event.get("group_idx") not in (None, 0):
-            return
-        hashes = [_hashable(h) for h in event.get("block_hashes") or ()]
-        tokens = event.get("token_ids") or []
-        block_size = event.get("block_size")
-        if not hashes or not isinstance(block_size, int) or block_size <= 0:
+    def _stored(self, cache: EngineCache, event: BlockStored) -> None:
+        hashes, tokens, block_size = event.block_hashes, event.token_ids, event.block_size
+        if not hashes:
             return
         if len(tokens) != block_size * len(hashes):
             return  # not whole blocks of this size (a hybrid model's partial hash block)
@@ -126,20 +223,24 @@ class KvIndex:
             cache.block_size = block_size
         elif cache.block_size != block_size:
             return
-        parent_hash = event.get("parent_block_hash")
-        if parent_hash is None:
+        if event.parent_block_hash is None:
             parent = ROOT_KEY
         else:
-            known = cache.key_of.get(_hashable(parent_hash))
+            known = cache.key_of.get(event.parent_block_hash)
             if known is None:
                 cache.unchained_blocks += len(hashes)
                 return
             parent = known
         for vllm_hash, key in zip(hashes, block_keys(tokens, block_size, parent), strict=True):
             if vllm_hash in cache.key_of:
-                continue  # a prefix-cache hit reported again: already counted
+                # A prefix-cache hit reported again: already counted; now the newest.
+                cache.key_of[vllm_hash] = cache.key_of.pop(vllm_hash)
+                continue
             cache.key_of[vllm_hash] = key
             cache.held[key] = cache.held.get(key, 0) + 1
+        while len(cache.key_of) > self.max_blocks_per_engine:
+            cache.forget(next(iter(cache.key_of)))
+            cache.evicted_blocks += 1
 
     def matched_tokens(self, token_ids: Sequence[int], urls: Iterable[str]) -> dict[str, int]:
         """Per URL, how many leading tokens of ``token_ids`` its cache holds (whole blocks)."""
@@ -161,11 +262,6 @@ class KvIndex:
                 run += 1
             out[url] = run * size
         return out
-
-
-def _hashable(vllm_hash: Any) -> Hashable:
-    # vLLM's ExternalBlockHash is bytes or int; msgpack may hand a list for other encodings.
-    return tuple(vllm_hash) if isinstance(vllm_hash, list) else vllm_hash
 
 
 # How much recompute a request may be sent to (its cached tokens given up, as a fraction of its

@@ -86,6 +86,16 @@ class ProxyMetrics:
             ["how"],
             registry=self.registry,
         )
+        self.kv_events_dropped = Counter(
+            "mooncake_proxy_kv_events_dropped",
+            "KV events (--kv-events) dropped by the proxy, per engine, by reason: unreadable "
+            "(a whole message), invalid (an event with wrong fields), unknown_type, failed "
+            "(applying it raised), disconnected (the connection lost: the engine stopped or "
+            "sent a message over 16 MiB; subscribed again). All but unknown_type clear that "
+            "engine's part of the index.",
+            ["backend", "reason"],
+            registry=self.registry,
+        )
         self._in_flight_children: dict[tuple[str, str], Gauge] = {}
         self._prefill_children: dict[str, Histogram] = {}
         for how in ("local", "reloaded", "concurrent", "sequential", "queued", "resent"):
