@@ -40,6 +40,7 @@ from mooncake_vllm.p2p.bootstrap import BootstrapRegistration, BootstrapService,
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
 from mooncake_vllm.p2p.local_channels import WakeForwarder, wake_endpoint
+from mooncake_vllm.p2p.params import asks_remote_decode, asks_remote_prefill, param_type_error
 from mooncake_vllm.p2p.protocol import (
     Handoff,
     HandoffError,
@@ -138,6 +139,9 @@ class SchedulerHalf:
         # Requests whose pull waits for its prefill (a pending handoff), until settled; those
         # vLLM finished meanwhile, for the next step's metadata.
         self._pending_loads: set[str] = set()
+        # Requests claimed only to be refused through the policy (a wrongly typed field, a
+        # connector error), until ``update_state_after_alloc`` plans their failed load.
+        self._refused: dict[str, str] = {}
         self._cancelled: set[str] = set()
         self._remember_ids = remember_ids
         # Producer: the transfer ids it has used (bounded), never taken again from a client.
@@ -163,11 +167,29 @@ class SchedulerHalf:
 
         Any other request that carries a transfer id this consumer knows (an orchestrator that
         sent one id with two requests, at once or one after the other) is claimed and refused
-        (``_check``): vLLM's policy decides, and it never touches the lease."""
+        (``_check``): vLLM's policy decides, and it never touches the lease.
+
+        So is a request whose ``kv_transfer_params`` do not type-check (``params``), and one
+        this hook fails on for any other reason: nothing here raises into vLLM's scheduler,
+        which has no handler around it (an exception would end the engine core)."""
         params = request.kv_transfer_params
-        if not (self._cfg.is_consumer and params and params.get("do_remote_prefill")):
+        if not (self._cfg.is_consumer and asks_remote_prefill(params)):
             return 0, False
+        try:
+            return self._matched_tokens(request, params, num_computed_tokens)
+        except Exception as e:
+            logger.exception("request %s: refused, connector error", request.request_id)
+            self._refuse(request.request_id, f"connector error while matching: {e!r}")
+            return self._claim(request, num_computed_tokens)
+
+    def _matched_tokens(
+        self, request: Request, params: dict[str, Any], num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         req_id = request.request_id
+        error = param_type_error(params)
+        if error is not None:
+            self._refuse(req_id, error)  # claimed, then failed by the worker (the policy)
+            return self._claim(request, num_computed_tokens)
         shared = self._shared.get(params.get("transfer_id"))  # type: ignore[arg-type]
         if shared is not None and shared.puller != req_id and shared.shared_by(request):
             if shared.state == "pulling":
@@ -177,24 +199,58 @@ class SchedulerHalf:
             if shared.state == "done":
                 params["do_remote_prefill"] = False  # never pulls, never touches the lease
                 return 0, False
+        return self._claim(request, num_computed_tokens)
+
+    @staticmethod
+    def _claim(request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The prompt tokens the local prefix cache lacks, as an asynchronous external load."""
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _refuse(self, req_id: str, reason: str) -> None:
+        """Fail ``req_id``'s load, once vLLM has given it blocks, with ``reason``."""
+        self._refused[req_id] = reason
+        while len(self._refused) > self._remember_ids:  # claimed, never given blocks
+            self._refused.pop(next(iter(self._refused)))
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        if self._layerwise and params and params.get("do_remote_decode"):
+        if self._layerwise and asks_remote_decode(params):
             self._producing[request.request_id] = request
-        if not (self._cfg.is_consumer and params and params.get("do_remote_prefill")):
+        if not (self._cfg.is_consumer and asks_remote_prefill(params)):
             return
         # Called again once the load is done: this flag makes that call (and any later
         # get_num_new_matched_tokens) a no-op.
         params["do_remote_prefill"] = False
+        try:
+            self._plan_load(request, params, blocks, num_external_tokens)
+        except Exception as e:
+            # Never into vLLM's scheduler. A claimed load must still end (vLLM waits for its
+            # outcome): the worker reports it failed, and the policy decides.
+            req_id = request.request_id
+            logger.exception("request %s: refused, connector error", req_id)
+            if num_external_tokens > 0:
+                local = blocks.get_unhashed_block_ids()
+                error = f"connector error while planning the load: {e!r}"
+                self._loads[req_id] = LoadSpec(req_id, None, [], local, error)
+            self._settle_shared(req_id, failed=True)
+
+    def _plan_load(
+        self,
+        request: Request,
+        params: dict[str, Any],
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+    ) -> None:
         req_id = request.request_id
-        handoff, error = self._check(request, params)
+        refused = self._refused.pop(req_id, None)
+        handoff, error = (None, refused) if refused else self._check(request, params)
         if num_external_tokens == 0:
             # The local prefix cache holds the whole prompt: nothing to pull, free the lease.
+            if error is not None:
+                logger.warning("request %s: handoff rejected (nothing to pull): %s", req_id, error)
             if handoff is not None:
                 checks = self._checks(request)
                 self._loads[req_id] = LoadSpec(req_id, handoff, [], [], error, checks=checks)
@@ -312,13 +368,20 @@ class SchedulerHalf:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._following.discard(request.request_id)  # a follower aborted while it waited
+        self._refused.pop(request.request_id, None)  # finished before its blocks were given
         if request.request_id in self._pending_loads:  # aborted while its prefill computes
             self._pending_loads.discard(request.request_id)
             self._cancelled.add(request.request_id)
         params = request.kv_transfer_params
-        if not (self._cfg.is_producer and params and params.get("do_remote_decode")):
+        if not (self._cfg.is_producer and asks_remote_decode(params)):
             return False, None
         self._producing.pop(request.request_id, None)
+        error = param_type_error(params)
+        if error is not None:
+            # A decode told of this transfer would wait for a lease that never comes: say why.
+            # (No lease opened computing: ``_open_computing`` checks the same.)
+            logger.warning("request %s: not handed over: %s", request.request_id, error)
+            return False, None
         early = self._early.pop(request.request_id, None)
         prompt_len = request.num_prompt_tokens
         num_blocks = -(-prompt_len // self._block_size)
@@ -398,6 +461,8 @@ class SchedulerHalf:
         ):
             return []
         params = request.kv_transfer_params or {}
+        if param_type_error(params) is not None:
+            return []  # refused when it finishes (``request_finished`` says why)
         tid = self._new_transfer_id(new.req_id, params.get("transfer_id"))
         if tid is None:
             return []
