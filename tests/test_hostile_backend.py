@@ -1,6 +1,6 @@
 """A backend that misbehaves against the proxy's leg client (``mooncake_vllm.proxy.http1``):
 servers on 127.0.0.1 written here send too many headers, a huge body, bytes after the answer,
-a 103 before it, or a reset mid-body.
+a 103 before it, a reset mid-body, or close a kept-alive connection just as it is reused.
 
 Each call either gets the backend's real answer or fails with a typed error that
 ``errors.classify`` reads as the backend's failure, and the proxy's memory does not grow by what
@@ -19,7 +19,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import pytest
 
 from mooncake_vllm.proxy import http1
+from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.errors import FailureKind, LegDeadline, classify
+from mooncake_vllm.proxy.failover import Backends, RequestContext
+from mooncake_vllm.proxy.metrics import ProxyMetrics
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MiB = 1024 * 1024
@@ -314,3 +317,96 @@ async def test_a_reset_mid_body_is_a_drop_not_a_complete_body(head):
         await client.close()
     assert not isinstance(caught.value, http1.BadAnswer)
     assert _classified(caught.value, url) is FailureKind.DISCONNECT
+
+
+# ---- a kept-alive connection closed as it is reused -------------------------------------------
+
+
+def _closes_on_second_request(*, reset: bool) -> Handler:
+    """The first connection answers its first request and closes, unanswered, as the second
+    arrives (a keep-alive timer that fired as the proxy reused it); later connections answer."""
+    connections = 0
+
+    async def handler(reader, writer):
+        nonlocal connections
+        connections += 1
+        if connections == 1:
+            await _read_request(reader)
+            writer.write(_answer(b"first"))
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")
+            if reset:
+                _reset(writer)
+            return  # closed (FIN) with the request unanswered
+        while True:
+            await _read_request(reader)
+            writer.write(_answer(b"fresh"))
+
+    return handler
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["fin", "reset"])
+async def test_a_reused_connection_closed_unanswered_is_retried_on_a_new_one(reset):
+    async with _server(_closes_on_second_request(reset=reset)) as (url, peers):
+        client = _client()
+        assert await _call(client, url) == (200, b"first")
+        assert await _call(client, url) == (200, b"fresh")
+        await client.close()
+    assert len(peers) == 2
+
+
+async def test_the_retry_neither_ejects_the_backend_nor_counts_a_failure():
+    async with _server(_closes_on_second_request(reset=False)) as (url, peers):
+        backends = Backends(ProxyConfig(prefill=[url], decode=[url]), ProxyMetrics())
+        await backends.open()
+        ctx = RequestContext("r", time.monotonic(), "/v1/models", {}, {})
+        for expected in (b"first", b"fresh", b"fresh"):
+            attempt = await backends.read_whole("decode", ctx, "GET")
+            assert attempt.answer.body == expected
+        await backends.close()
+    [decode] = backends.pools["decode"].backends
+    assert decode.healthy
+    failures = [
+        sample
+        for metric in backends.metrics.registry.collect()
+        if metric.name == "mooncake_proxy_backend_errors"
+        for sample in metric.samples
+        if sample.name.endswith("_total") and sample.value
+    ]
+    assert failures == []
+    assert len(peers) == 2
+
+
+async def test_a_fresh_connection_closed_unanswered_is_not_retried():
+    async def drops_every_request(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+
+    async with _server(drops_every_request) as (url, peers):
+        client = _client()
+        with pytest.raises(http1.ConnectionDropped) as caught:
+            await _call(client, url)
+        await client.close()
+    assert _classified(caught.value, url) is FailureKind.DISCONNECT
+    assert len(peers) == 1
+
+
+async def test_a_reused_connection_is_retried_once_only():
+    connections = 0
+
+    async def answers_only_the_first(reader, writer):
+        nonlocal connections
+        connections += 1
+        if connections == 1:
+            await _read_request(reader)
+            writer.write(_answer(b"first"))
+            await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # then closed unanswered
+
+    async with _server(answers_only_the_first) as (url, peers):
+        client = _client()
+        assert await _call(client, url) == (200, b"first")
+        with pytest.raises(http1.ConnectionDropped) as caught:
+            await _call(client, url)
+        await client.close()
+    assert _classified(caught.value, url) is FailureKind.DISCONNECT
+    assert len(peers) == 2

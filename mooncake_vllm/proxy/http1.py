@@ -20,7 +20,10 @@ here:
   ``release()`` keeps a fully read one for the next call;
 - failures as two exceptions that say whether the backend can have seen the request
   (``ConnectFailed``: no) or not known (``ConnectionDropped``, and ``BadAnswer`` when what came
-  back broke HTTP/1.1 or a bound below), and ``asyncio.TimeoutError``.
+  back broke HTTP/1.1 or a bound below), and ``asyncio.TimeoutError``;
+- a request sent on a kept-alive connection that the server closed before answering a byte is
+  sent once more on a new connection: the server's keep-alive timer and our reuse crossed, and
+  it closed without reading the request (a fresh connection's failure is the caller's).
 
 A backend's answer is read strictly and within bounds, so a broken or hostile backend costs the
 proxy one call, never its memory: at most ``MAX_HEADER_COUNT`` headers and ``MAX_HEAD_BYTES``
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import socket
 import ssl
 from collections.abc import Mapping
@@ -41,6 +45,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httptools
+
+logger = logging.getLogger("mooncake_vllm.proxy")
 
 # Bounds on an answer's head, as servers bound a request's (Apache: 100 header fields; Node:
 # 16 KiB of head). vLLM's answers carry under 10 headers.
@@ -280,8 +286,9 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None
         self.counted = False  # holds one of its origin's connection slots (``Client._open``)
-        # This call's answer so far: the head's bytes (1xx heads too) and this head's header
-        # count; the final answer has ended.
+        # This call's answer so far: a byte came; the head's bytes (1xx heads too) and this
+        # head's header count; the final answer has ended.
+        self.answer_started = False
         self._head_bytes = 0
         self._header_count = 0
         self._informational = False  # the head being parsed is a 1xx
@@ -299,6 +306,7 @@ class _Connection(asyncio.Protocol):
         if self._head is None and self._response is None:
             self.abort()  # bytes nobody asked for: the connection is not ours to trust
             return
+        self.answer_started = True
         try:
             if self._head is not None:  # the head is awaited: only so many bytes may make it
                 room = MAX_HEAD_BYTES - self._head_bytes
@@ -400,6 +408,7 @@ class _Connection(asyncio.Protocol):
         self._head = self.loop.create_future()
         self._response = None
         self._keep_alive = False
+        self.answer_started = False
         self._head_bytes = 0
         self._answered = False
         self._timer = self.loop.call_at(deadline, self._time_out)
@@ -497,7 +506,26 @@ class Client:
         if body:
             lines.append(body)
         request = b"".join(lines)
-        conn = await self._acquire(origin, deadline)
+        conn, reused = await self._acquire(origin, deadline, reuse=True)
+        try:
+            return await self._send(conn, request, deadline)
+        except (ConnectFailed, ConnectionDropped) as e:
+            if not reused or conn.answer_started:
+                raise
+            first = e
+        # The server closed the kept-alive connection as the request went out (its keep-alive
+        # timer and our reuse crossed): not a byte of an answer came. Once more, on a new one.
+        logger.debug("%s: a kept-alive connection closed unanswered (%s); resent", origin, first)
+        try:
+            conn, _ = await self._acquire(origin, deadline, reuse=False)
+            return await self._send(conn, request, deadline)
+        except ConnectFailed as e:
+            if isinstance(first, ConnectionDropped):
+                # The first send may have reached a backend that is now gone: say so.
+                raise first from e
+            raise
+
+    async def _send(self, conn: _Connection, request: bytes, deadline: float) -> Response:
         try:
             return await conn.send(request, deadline)
         except BaseException:
@@ -512,24 +540,28 @@ class Client:
 
     # ---- the pool -------------------------------------------------------------------------------
 
-    async def _acquire(self, origin: Origin, deadline: float) -> _Connection:
+    async def _acquire(
+        self, origin: Origin, deadline: float, *, reuse: bool
+    ) -> tuple[_Connection, bool]:
+        """A connection to ``origin``, and whether it was kept from an earlier call; a new one
+        unless ``reuse``."""
         loop = asyncio.get_running_loop()
         while True:
             idle = self._idle.get(origin)
-            while idle:
+            while idle and reuse:
                 conn = idle.pop()
                 if not conn.open:
                     continue
                 if loop.time() - conn.idle_since > self.keepalive_s:
                     conn.abort()
                     continue
-                return conn
+                return conn, True
             if self._open[origin] < self.limit_per_host:
                 break
             await self._wait_for_slot(origin, deadline)
         self._open[origin] += 1
         try:
-            return await self._connect(origin, deadline)
+            return await self._connect(origin, deadline), False
         except BaseException:
             self._open[origin] -= 1
             self._wake_slot_waiter(origin)
