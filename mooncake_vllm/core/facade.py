@@ -17,6 +17,7 @@ A half provides: scheduler half ``get_num_new_matched_tokens``, ``update_state_a
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from mooncake_vllm.core.settings import SharedSettings
+
+logger = logging.getLogger(__name__)
 
 
 class HalvesConnector(KVConnectorBase_V1):
@@ -151,7 +154,14 @@ class HalvesConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        # vLLM calls this inside its scheduler's step, with no handler around it: an exception
+        # would end the engine core and every request on it. Nothing handed over, the blocks
+        # freed now, is the answer that loses nothing but this request's handoff.
+        try:
+            return self._scheduler.request_finished(request, block_ids)
+        except Exception:
+            logger.exception("request %s: not handed over, connector error", request.request_id)
+            return False, None
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         self._scheduler.bind_block_pool(gpu_block_pool)
