@@ -76,10 +76,14 @@ def test_a_pending_acquire_is_granted_only_the_lease_of_its_own_prompt(clock):
     assert t.acquire(tid, [], B, pending=True, prompt_digest="aa").owners == {B}
 
 
-def test_a_pending_acquire_without_a_prompt_digest_is_not_checked(clock):
-    t = _table(clock)  # a consumer of an older version, or a prompt of embeddings
+def test_a_pending_acquire_without_a_prompt_digest_gets_only_a_lease_bound_to_none(clock):
+    # The transfer id alone buys nothing of a prompt's KV; a prompt of embeddings has no digest
+    # on either side.
+    t = _table(clock)
     t.add("req-1", "t-1", [3, 4], 100, handoff=Handoff(prompt_digest="aa"))
-    assert isinstance(t.acquire("t-1", [], A, pending=True), Lease)
+    t.add("req-2", "t-2", [5], 100, handoff=Handoff(prompt_digest=""))
+    assert "names none: send the request's prompt_digest" in t.acquire("t-1", [], A, pending=True)
+    assert isinstance(t.acquire("t-2", [], A, pending=True), Lease)
 
 
 # ---- leases opened while their prefill computes (layerwise_handoff) ---------------------------

@@ -31,6 +31,15 @@ from mooncake_vllm.p2p.side_channel import CallCancelled, SideChannelClient
 BLOCK = 128
 HASH = "c" * 64
 STEP = SimpleNamespace(total_num_scheduled_tokens=1, finished_req_ids=set())  # a busy step
+# What a consumer's pending acquire names of the 300-token prompts (``request``) below.
+PROMPT_DIGEST = protocol.prompt_digest(list(range(300)))
+
+
+def pending_acquire(tid: str, owner: bytes, wait_ms: int, layers_ok: bool = False):
+    """A pending handoff's acquire of a 300-token prompt, as a consumer's worker sends it."""
+    return protocol.Acquire(
+        tid, [], owner, 1, "", wait_ms=wait_ms, layers_ok=layers_ok, prompt_digest=PROMPT_DIGEST
+    )
 
 
 def request(req_id: str, prompt_len: int, params: dict | None, **kw) -> SimpleNamespace:
@@ -718,9 +727,7 @@ def test_a_pending_acquire_waits_for_the_prefill_and_is_granted_its_handoff(prod
     address = f"127.0.0.1:{producer._cfg.side_channel_port(0)}"
     try:
         with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(
-                client.call, address, protocol.Acquire(tid, [], owner, 1, "", wait_ms=5000), 5
-            )
+            waiting = pool.submit(client.call, address, pending_acquire(tid, owner, 5000), 5)
             time.sleep(0.3)
             assert not waiting.done()  # parked at the lease server: the prefill is not done
             h = _finish_prefill(producer, "p1", tid)
@@ -739,7 +746,7 @@ def test_a_pending_acquire_is_refused_at_its_deadline_or_withdrawn_by_its_owner(
     try:
         tid = "cd" * 16
         t0 = time.monotonic()
-        reply = client.call(address, protocol.Acquire(tid, [], owner, 1, "", wait_ms=300), 5)
+        reply = client.call(address, pending_acquire(tid, owner, 300), 5)
         assert isinstance(reply, protocol.Refused) and "within 0.3s" in reply.reason
         assert 0.25 < time.monotonic() - t0 < 3
         # Withdrawn: a release by the acquire's owner takes it off the waiting list, so the
@@ -748,14 +755,12 @@ def test_a_pending_acquire_is_refused_at_its_deadline_or_withdrawn_by_its_owner(
         cancelled = threading.Event()
         cancelled.set()
         with pytest.raises(CallCancelled):
-            client.call(
-                address, protocol.Acquire(tid, [], owner, 1, "", wait_ms=5000), 5, cancelled
-            )
+            client.call(address, pending_acquire(tid, owner, 5000), 5, cancelled)
         released = client.call(address, protocol.Release(tid, False, owner), timeout_s=5)
         assert released == protocol.Released(tid)
         _finish_prefill(producer, "p2", tid)
         other = b"x" * protocol.OWNER_BYTES
-        granted = client.call(address, protocol.Acquire(tid, [], other, 1, "", wait_ms=1000), 5)
+        granted = client.call(address, pending_acquire(tid, other, 1000), 5)
         assert isinstance(granted, protocol.Granted)  # nobody else had taken it
     finally:
         client.close()
@@ -859,7 +864,7 @@ def test_layers_are_granted_as_the_workers_write_them_and_all_once_the_prefill_f
 ):
     half, push, client, address = layerwise_producer
     tid, owner = "ab" * 16, b"o" * protocol.OWNER_BYTES
-    pending = protocol.Acquire(tid, [], owner, 1, "", wait_ms=5000, layers_ok=True)
+    pending = pending_acquire(tid, owner, 5000, layers_ok=True)
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(client.call, address, pending, 5)
         time.sleep(0.2)
@@ -893,10 +898,10 @@ def test_an_aborted_prefill_refuses_its_reader_and_holds_the_blocks_until_releas
     half, _, client, address = layerwise_producer
     tid, owner = "cd" * 16, b"o" * protocol.OWNER_BYTES
     req, _ = _last_step(half, "p1", tid)
-    pending = protocol.Acquire(tid, [], owner, 1, "", wait_ms=5000, layers_ok=True)
+    pending = pending_acquire(tid, owner, 5000, layers_ok=True)
     assert client.call(address, pending, 5).ready == 0
     # An acquire that does not take layers as they come waits for the end.
-    other = protocol.Acquire(tid, [], b"x" * protocol.OWNER_BYTES, 1, "", wait_ms=300)
+    other = pending_acquire(tid, b"x" * protocol.OWNER_BYTES, 300)
     assert "within 0.3s" in client.call(address, other, 5).reason
     req.status = RequestStatus.FINISHED_ABORTED
     assert half.request_finished(req, [5, 6, 7]) == (True, None)  # kept: it may be read
@@ -924,5 +929,5 @@ def test_a_prompt_not_whole_and_alone_in_its_last_step_is_held_at_the_end(layerw
     held, params = half.request_finished(req, [5, 6, 7])
     handoff = protocol.parse_handoff(params)
     assert held and handoff.transfer_id == tid and handoff.remote_block_ids == [5, 6, 7]
-    acquire = protocol.Acquire(tid, [], b"o" * protocol.OWNER_BYTES, 1, "", 1000, True)
+    acquire = pending_acquire(tid, b"o" * protocol.OWNER_BYTES, 1000, layers_ok=True)
     assert client.call(address, acquire, 5).ready == protocol.ALL_LAYERS

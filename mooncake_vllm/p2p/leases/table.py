@@ -96,10 +96,22 @@ class Lease:
         return len(self.released_by) >= (len(self.owners) if self.aborted else self.readers)
 
 
-def _same_prompt(handoff: Any, prompt_digest: str) -> bool:
-    """False only when both the lease's handoff and the acquire name a prompt, and they differ."""
+def _other_prompt(transfer_id: str, handoff: Any, prompt_digest: str) -> str | None:
+    """Why a pending acquire of ``prompt_digest``'s prompt may not take a lease backing
+    ``handoff``, or None: a lease bound to a prompt goes only to an acquire naming that prompt
+    (a holder of the transfer id alone gets nothing of another prompt's KV)."""
     held = getattr(handoff, "prompt_digest", "")
-    return not (held and prompt_digest) or held == prompt_digest
+    if not held or held == prompt_digest:
+        return None
+    if not prompt_digest:
+        return (
+            f"transfer {short_id(transfer_id)} holds the KV of one prompt, and this pending "
+            "acquire names none: send the request's prompt_digest with it"
+        )
+    return (
+        f"transfer_id {short_id(transfer_id)} holds another prompt's KV: it was used for two "
+        "requests (choose a new transfer_id for every request)"
+    )
 
 
 class NotOwner(Exception):
@@ -241,8 +253,8 @@ class LeaseTable:
         and the acquire does not take layers as they come: ``layers_ok``; a consumer reading
         several producer ranks acquires the later ones with the handoff the first granted). A
         ``pending`` acquire (a pending handoff's: the consumer knows the id, not the blocks)
-        names no blocks; with ``prompt_digest`` it is granted only the lease of that prompt (an
-        orchestrator may send one transfer id with two requests)."""
+        names no blocks, and is granted a lease bound to a prompt only with that prompt's
+        ``prompt_digest`` (an orchestrator may send one transfer id with two requests)."""
         with self._lock:
             lease = self._live.get(transfer_id)
             if lease is None:
@@ -254,11 +266,8 @@ class LeaseTable:
                 return NOT_YET
             if pending and lease.handoff is None:
                 return f"transfer {short_id(transfer_id)} cannot be acquired pending"
-            if pending and not _same_prompt(lease.handoff, prompt_digest):
-                return (
-                    f"transfer_id {short_id(transfer_id)} holds another prompt's KV: it was "
-                    "used for two requests (choose a new transfer_id for every request)"
-                )
+            if pending and (why := _other_prompt(transfer_id, lease.handoff, prompt_digest)):
+                return why
             if not pending and list(block_ids) != lease.block_ids:
                 return f"transfer {short_id(transfer_id)}: the blocks are not the lease's"
             if not 1 <= readers <= lease.max_readers:
