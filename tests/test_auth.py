@@ -35,7 +35,7 @@ TAG_BYTES = 32
 
 def test_a_sealed_request_opens_with_its_time_and_nonce():
     frame, nonce = seal_frame((KEY,), BODY, REQUEST, now_s=NOW_S)
-    assert len(nonce) == NONCE_BYTES and BODY in frame and frame.startswith(b"MVA1")
+    assert len(nonce) == NONCE_BYTES and BODY in frame and frame.startswith(b"MVA2")
     assert open_frame((KEY,), frame, REQUEST) == (BODY, int(1000 * NOW_S), nonce)
 
 
@@ -53,7 +53,7 @@ def _flip(data: bytes, index: int) -> bytes:
     return data[:index] + bytes([data[index] ^ 1]) + data[index + 1 :]
 
 
-HEADER_BYTES = len(b"MVA1") + 1 + 8 + NONCE_BYTES
+HEADER_BYTES = len(b"MVA2") + 1 + 8 + NONCE_BYTES
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_a_tampered_frame_does_not_open(where):
     [
         b"",
         BODY,  # a peer without the secret sends the bare frame
-        b"MVA1",
+        b"MVA2",
         b"XXXX" + seal_frame((KEY,), BODY, REQUEST)[0][4:],  # another magic
         seal_frame((KEY,), BODY, REQUEST)[0][: HEADER_BYTES + TAG_BYTES - 1],  # truncated
     ],

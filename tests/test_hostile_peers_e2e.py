@@ -25,7 +25,7 @@ from test_connector_e2e import assert_failed_load
 
 from harness.pd import complete, eventually, greedy_body, two_legs
 from harness.servers import histogram_quantile
-from mooncake_vllm.core.auth import REPLY, REQUEST, load_keys, open_frame, seal_frame
+from mooncake_vllm.core.auth import REPLY, load_keys, open_frame
 from mooncake_vllm.p2p.leases.client import MAX_READERS
 from mooncake_vllm.p2p.protocol import (
     OWNER_BYTES,
@@ -37,6 +37,7 @@ from mooncake_vllm.p2p.protocol import (
     decode_frame,
     encode_frame,
 )
+from mooncake_vllm.p2p.side_channel import seal_request
 
 pytestmark = pytest.mark.servers
 
@@ -58,16 +59,14 @@ class Peer:
     """A DEALER socket to a side channel, sending what it likes (sealed with ``keys`` or not)."""
 
     def __init__(self, address: str, keys=()):
-        self.keys = keys
+        self.keys, self.address = keys, address
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://{address}")
 
     def send(self, frame, keys=None) -> tuple[bytes, bytes]:
         """Sends ``frame``; returns the bytes sent and the nonce (to check the reply)."""
-        sealed, nonce = seal_frame(
-            self.keys if keys is None else keys, encode_frame(frame), REQUEST
-        )
+        sealed, nonce = seal_request(self.keys if keys is None else keys, frame, self.address)
         self.sock.send(sealed)
         return sealed, nonce
 

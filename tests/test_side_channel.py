@@ -27,6 +27,8 @@ from mooncake_vllm.p2p.side_channel import (
     SideChannelClient,
     SideChannelError,
     abuse_pause_s,
+    channel_context,
+    seal_request,
 )
 
 OWNER = b"o" * wire.OWNER_BYTES
@@ -262,9 +264,10 @@ class RawPeer:
         self.sock.close()
 
 
-def sealed(frame, keys=(KEY,)) -> tuple[bytes, bytes]:
-    """A request exactly as a consumer's ``SideChannelClient`` sends it: ``(bytes, nonce)``."""
-    return seal_frame(keys, wire.encode_frame(frame), REQUEST)
+def sealed(frame, address: str, keys=(KEY,)) -> tuple[bytes, bytes]:
+    """A request for the side channel at ``address`` exactly as a consumer's
+    ``SideChannelClient`` sends it: ``(bytes, nonce)``."""
+    return seal_request(keys, frame, address)
 
 
 def reply_to(data: bytes, nonce: bytes, keys=(KEY,)):
@@ -307,7 +310,7 @@ def test_a_peer_without_the_secret_gets_no_answer_and_the_drop_is_counted(
 def test_a_replayed_acquire_is_dropped_from_any_socket(keyed_producer):
     service, address, _ = keyed_producer
     assert service.hold("req-1", "t-1", [3])
-    captured, nonce = sealed(acquire(service, "t-1", [3], OWNER))
+    captured, nonce = sealed(acquire(service, "t-1", [3], OWNER), address)
     peer, other = RawPeer(address), RawPeer(address)
     try:
         peer.send(captured)
@@ -336,7 +339,7 @@ def test_a_release_by_a_peer_that_did_not_acquire_does_not_end_the_lease(tmp_pat
         )
         for owner in (b"x" * wire.OWNER_BYTES, b"", OWNER[:-1]):
             for ok in (True, False):
-                forger.send(sealed(wire.Release("t-1", ok, owner), keys)[0])
+                forger.send(sealed(wire.Release("t-1", ok, owner), address, keys)[0])
         assert forger.receive(0.5) is None  # no answer: it learns nothing
         drops = Drops(service).wait_for("release by a non-owner", 6)
         assert drops["release by a non-owner"] == 6
@@ -385,7 +388,7 @@ def test_an_oversized_frame_disconnects_its_peer_and_later_peers_are_served(tmp_
     try:
         assert service.hold("req-1", "t-1", [3])
         assert big.next_event(5) == zmq.EVENT_CONNECTED
-        frame, _ = sealed(acquire(service, "t-1", list(range(2000)), OWNER))
+        frame, _ = sealed(acquire(service, "t-1", list(range(2000)), OWNER), address)
         assert len(frame) > 4096
         big.send(frame)
         assert big.next_event(5) == zmq.EVENT_DISCONNECTED, "the oversized frame was read"
@@ -409,7 +412,7 @@ def test_a_flooding_peer_is_rate_limited_and_other_peers_are_still_served(tmp_pa
     try:
         assert service.hold("req-1", "t-1", [3])
         for i in range(40):
-            flood.send(sealed(acquire(service, f"nope-{i}", [1], OWNER))[0])
+            flood.send(sealed(acquire(service, f"nope-{i}", [1], OWNER), address)[0])
         answered = 0
         while flood.receive(0.3) is not None:
             answered += 1
@@ -438,10 +441,10 @@ def test_the_client_skips_replies_not_sealed_for_its_request():
 
     def answer():
         identity, request = producer.recv_multipart()
-        body, _, nonce = open_frame((KEY,), request, REQUEST)
+        body, _, nonce = open_frame((KEY,), request, REQUEST, channel_context(port))
         assert wire.decode_frame(body) == wire.Acquire("t-1", [3], OWNER)
         grant = wire.encode_frame(wire.Granted("t-1", "forged:1", []))
-        _, other_nonce = sealed(wire.Acquire("t-1", [3], OWNER))
+        _, other_nonce = sealed(wire.Acquire("t-1", [3], OWNER), f"127.0.0.1:{port}")
         for data in (
             grant,
             seal_frame((OTHER_KEY,), grant, REPLY, nonce)[0],

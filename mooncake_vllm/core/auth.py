@@ -7,11 +7,14 @@ then dropping the old one (``docs/security.md``).
 
 Side-channel frames are sealed with HMAC-SHA256 (``seal_frame``/``open_frame``):
 
-    b"MVA1" | direction (1) | time_ms (8, big-endian) | nonce (16) | body | tag (32)
+    b"MVA2" | direction (1) | time_ms (8, big-endian) | nonce (16) | body | tag (32)
 
 The tag covers the direction, the time, the nonce, a *context* and the body. A request's context
-is empty; a reply's context is the nonce of the request it answers, so an old reply replayed to a
-later request does not verify. The receiver of requests refuses a time outside ``REPLAY_WINDOW_S``
+names the channel it is sent to (the side channel's ``channel_context``: its producer rank's
+port), so a request captured on one rank's channel does not verify on a sibling's; a reply's
+context is the nonce of the request it answers, so an old reply replayed to a later request does
+not verify. ``MVA1`` frames (requests sealed with an empty context, before ``MVA2``) are refused
+as from an older version. The receiver of requests refuses a time outside ``REPLAY_WINDOW_S``
 and a nonce it has seen within the window (``ReplayGuard``). Why HMAC and not ZeroMQ's CURVE: CURVE
 authenticates a connection by key pairs (a ZAP handler per socket, a key pair per engine to
 distribute) and encrypts every byte; a shared secret, one tag per frame and no handshake cost the
@@ -33,7 +36,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-FRAME_MAGIC = b"MVA1"
+FRAME_MAGIC = b"MVA2"
+# Sealed by a version whose requests named no channel: refused with a reason saying so.
+_OLD_FRAME_MAGICS = (b"MVA1",)
 REQUEST, REPLY = b"q", b"r"
 _HEADER = struct.Struct(">4sc Q 16s")  # magic, direction, time_ms, nonce
 _TAG_BYTES = 32
@@ -162,6 +167,8 @@ def open_frame(
     if not keys:
         return frame, 0, b""
     if len(frame) < _HEADER.size + _TAG_BYTES or not frame.startswith(FRAME_MAGIC):
+        if frame.startswith(_OLD_FRAME_MAGICS):
+            raise AuthError("sealed by an older version (upgrade both sides)")
         raise AuthError("unauthenticated")
     header = frame[: _HEADER.size]
     _, got_direction, time_ms, nonce = _HEADER.unpack(header)

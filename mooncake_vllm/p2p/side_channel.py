@@ -9,7 +9,16 @@ so an unknown transfer id is refused at once.
 Nothing a peer sends can hurt another peer's requests: a frame that does not verify, is too big,
 comes too fast or from one peer too many is dropped and counted (``PeerGuard``), and the log says
 so at most once per ``_DROP_LOG_INTERVAL_S`` with the counts; a ``Release`` is honoured only from
-the peer that acquired the lease (``leases.table``).
+the peer that acquired the lease (``leases.table``), and one of an id never held is counted as
+dropped too (so a flood of them makes the lease server rest, ``abuse_pause_s``). Parked pending
+acquires are bounded per peer and in all (``_MAX_WAITING_PER_PEER``, ``_MAX_WAITING``).
+
+A sealed request names the side channel it is sent to (``channel_context``: its rank's port), so
+a request captured on one rank's channel does not verify on a sibling rank's, whose replay guard
+has never seen it. The producer's incarnation is covered where the consumer knows it: an
+``Acquire`` names it in its (sealed) body and is refused when it differs; ``Release`` and
+``Await`` carry an owner token that exists only in the incarnation that granted it; a pending
+acquire precedes its grant and cannot know it.
 """
 
 from __future__ import annotations
@@ -62,18 +71,35 @@ _PEER_QUEUE = 64
 # A peer silent this long leaves the guard's table.
 _PEER_IDLE_S = 60.0
 # Pending acquires (``--dispatch concurrent``) parked until their lease exists: at most this many
-# per side channel, each for at most this long.
+# per side channel, at most ``_MAX_WAITING_PER_PEER`` of one peer (a consumer's client has one
+# call in flight per socket, so a real peer parks one), each for at most this long.
 _MAX_WAITING = 1024
+_MAX_WAITING_PER_PEER = 64
 _MAX_WAIT_S = 600.0
 # How often a waiting pending acquire looks whether its request was cancelled.
 _CANCEL_CHECK_S = 0.1
 # Abuse duty cycle (``abuse_pause_s``).
 _ABUSE_MIN_FRAMES = 64
 _ABUSE_MAX_PAUSE_S = 0.01
+# Idle sockets a consumer's client keeps, over all producers (``SideChannelClient``).
+MAX_IDLE_SOCKETS = 64
 
 
 class SideChannelError(RuntimeError):
     pass
+
+
+def channel_context(port: int) -> bytes:
+    """What a request's seal binds it to (``auth.seal_frame``'s context): the side channel of one
+    producer rank, by its port (the handoff and ``/query`` advertise the ports the producer
+    binds, and the consumer dials them as given)."""
+    return b"side-channel port %d" % port
+
+
+def seal_request(keys: Keys, frame: Frame, address: str) -> tuple[bytes, bytes]:
+    """``(bytes, nonce)``: ``frame`` sealed for the side channel at ``address`` (``host:port``)."""
+    port = int(address.rsplit(":", 1)[1])
+    return seal_frame(keys, encode_frame(frame), REQUEST, channel_context(port))
 
 
 class CallCancelled(SideChannelError):
@@ -202,8 +228,10 @@ class SideChannelServer:
                 "port? Set prefill_url/decode_url ports apart"
             ) from e
         self.address = f"{host}:{port}"
+        self._context = channel_context(port)
         self._waiting: dict[str, list[_Waiting]] = {}
         self._awaits: dict[str, list[_Waiting]] = {}
+        self._parked_by: Counter[bytes] = Counter()  # peer identity -> its parked waits
         self._clock = time.monotonic
 
     def serve_ready(self, max_frames: int = 256) -> tuple[int, int]:
@@ -225,7 +253,7 @@ class SideChannelServer:
 
     def _handle(self, identity: bytes, payload: bytes) -> None:
         try:
-            body, time_ms, nonce = open_frame(self._keys, payload, REQUEST)
+            body, time_ms, nonce = open_frame(self._keys, payload, REQUEST, self._context)
             if self._keys:
                 self._replays.check(time_ms, nonce)
             frame = decode_frame(body)
@@ -244,10 +272,14 @@ class SideChannelServer:
                 self._send(identity, nonce, Released(frame.transfer_id))
                 return
             try:
-                self._leases.release(frame.transfer_id, frame.owner, frame.ok)
+                live = self._leases.release(frame.transfer_id, frame.owner, frame.ok)
             except NotOwner:
                 self.guard.drop("release by a non-owner")
                 return
+            if not live and self._leases.ended_reason(frame.transfer_id) is None:
+                # Never held here (or long forgotten): answered, since a consumer may wait for
+                # it, but counted, so that a flood of them makes the loop rest.
+                self.guard.drop("release of an unknown transfer id")
             self._on_release()
             self._send(identity, nonce, Released(frame.transfer_id))
         else:
@@ -310,17 +342,63 @@ class SideChannelServer:
         return self._clock() + min(frame.wait_ms / 1000, _MAX_WAIT_S)
 
     def _parked(self) -> int:
-        return sum(map(len, self._waiting.values())) + sum(map(len, self._awaits.values()))
+        return self._parked_by.total()
 
     def _park(self, table: dict[str, list[_Waiting]], w: _Waiting, new: bool) -> None:
-        """Parks ``w`` (a new one only while fewer than ``_MAX_WAITING`` are parked)."""
+        """Parks ``w``; a new one only while its peer has fewer than ``_MAX_WAITING_PER_PEER``
+        parked, and while fewer than ``_MAX_WAITING`` are parked in all or a peer holding more
+        than one more than ``w``'s peer gives up its latest (so peers that each open many sockets
+        still cannot lock out a consumer's one pending acquire). Refusals are counted."""
         tid = w.frame.transfer_id
-        if new and self._parked() >= _MAX_WAITING:
+        if new and self._parked_by[w.identity] >= _MAX_WAITING_PER_PEER:
+            self.guard.drop("too many pending acquires from one peer")
+            reason = f"this peer has {_MAX_WAITING_PER_PEER} acquires waiting here already"
+            self._send(w.identity, w.nonce, Refused(tid, reason))
+            return
+        if new and self._parked() >= _MAX_WAITING and not self._make_room(w.identity):
             self.guard.drop("too many pending acquires")
             reason = f"{_MAX_WAITING} acquires already wait for their prefills here"
             self._send(w.identity, w.nonce, Refused(tid, reason))
-        else:
-            table.setdefault(tid, []).append(w)
+            return
+        table.setdefault(tid, []).append(w)
+        self._parked_by[w.identity] += 1
+
+    def _make_room(self, identity: bytes) -> bool:
+        """Refuses the parked wait of the peer with the most parked that would wait longest, if
+        that peer holds at least two more than ``identity``; True if one was refused."""
+        biggest, count = self._parked_by.most_common(1)[0]
+        if count < self._parked_by[identity] + 2:
+            return False
+        tables = (self._waiting, self._awaits)
+        _, table, w = max(
+            (
+                (w.deadline_s, t, w)
+                for t in tables
+                for ws in t.values()
+                for w in ws
+                if w.identity == biggest
+            ),
+            key=lambda x: x[0],
+        )
+        self._unlist(table, w)
+        self.guard.drop("too many pending acquires from one peer")
+        reason = f"{_MAX_WAITING} acquires wait here, most of them this peer's"
+        self._send(w.identity, w.nonce, Refused(w.frame.transfer_id, reason))
+        return True
+
+    def _unlist(self, table: dict[str, list[_Waiting]], w: _Waiting) -> None:
+        """Takes the parked ``w`` out of ``table`` and of its peer's count."""
+        ws = table[w.frame.transfer_id]
+        ws.remove(w)
+        if not ws:
+            del table[w.frame.transfer_id]
+        self._unpark_count([w])
+
+    def _unpark_count(self, ws: list[_Waiting]) -> None:
+        for w in ws:
+            self._parked_by[w.identity] -= 1
+            if self._parked_by[w.identity] <= 0:
+                del self._parked_by[w.identity]
 
     def _answer_pending(self, w: _Waiting, new: bool = True) -> None:
         tid = w.frame.transfer_id
@@ -330,6 +408,8 @@ class SideChannelServer:
         elif isinstance(got, str):
             self._send(w.identity, w.nonce, Refused(tid, got))
         elif w.deadline_s <= self._clock():
+            if got is None:  # never held: a made-up id, or a prefill that never came
+                self.guard.drop("pending acquire of an id never held")
             waited = w.frame.wait_ms / 1000
             reason = f"no prefill held transfer {short(tid)} within {waited:.1f}s"
             self._send(w.identity, w.nonce, Refused(tid, reason))
@@ -354,25 +434,26 @@ class SideChannelServer:
         for tid in list(self._waiting):
             live = self._leases.is_live(tid) or self._leases.ended_reason(tid) is not None
             if live or any(w.deadline_s <= now for w in self._waiting[tid]):
-                for w in self._waiting.pop(tid):
+                ws = self._waiting.pop(tid)
+                self._unpark_count(ws)
+                for w in ws:
                     self._answer_pending(w, new=False)  # a grant, a reason, or parked again
         for tid in list(self._awaits):
-            for w in self._awaits.pop(tid):
+            ws = self._awaits.pop(tid)
+            self._unpark_count(ws)
+            for w in ws:
                 self._answer_await(w, new=False)
 
     def _unpark(self, frame: Release) -> bool:
         """A release by the owner of a parked pending acquire withdraws it (its request was
         aborted before the prefill finished); a parked await of the owner goes with it."""
-        awaits = self._awaits.get(frame.transfer_id, [])
-        awaits[:] = [w for w in awaits if w.frame.owner != frame.owner]
-        if not awaits:
-            self._awaits.pop(frame.transfer_id, None)
-        waiters = self._waiting.get(frame.transfer_id, [])
-        for w in waiters:
+        for w in [
+            w for w in self._awaits.get(frame.transfer_id, []) if w.frame.owner == frame.owner
+        ]:
+            self._unlist(self._awaits, w)
+        for w in self._waiting.get(frame.transfer_id, []):
             if w.frame.owner == frame.owner:
-                waiters.remove(w)
-                if not waiters:
-                    del self._waiting[frame.transfer_id]
+                self._unlist(self._waiting, w)
                 return True
         return False
 
@@ -408,15 +489,21 @@ class SideChannelClient:
     Calls to one producer run concurrently: each call takes an idle socket to that producer (or
     opens one) and gives it back afterwards, so one slow acquire does not queue the others.
     Replies are matched by transfer id, so a late reply to a timed-out call is skipped.
+
+    At most ``max_idle_sockets`` idle sockets are kept, over all producers: the least recently
+    used goes (closed) first, so a consumer that has met many producers does not keep a
+    connection, and ZeroMQ's reconnects, to each of them for ever.
     """
 
-    def __init__(self, keys: Keys = ()) -> None:
+    def __init__(self, keys: Keys = (), max_idle_sockets: int = MAX_IDLE_SOCKETS) -> None:
         self._keys = keys
         self.rejected = 0  # replies dropped: malformed or not verifying (under _lock)
         # Per socket: nonces of calls that timed out, whose late replies are skipped uncounted.
         self._late: defaultdict[zmq.Socket, deque[bytes]] = defaultdict(lambda: deque(maxlen=8))
         self._ctx = latency_zmq_context()
-        self._idle: dict[str, list[zmq.Socket]] = {}
+        # Idle sockets, least recently checked in first.
+        self._idle: OrderedDict[zmq.Socket, str] = OrderedDict()
+        self._max_idle = max_idle_sockets
         self._lock = threading.Lock()
         self._closed = False
 
@@ -424,9 +511,10 @@ class SideChannelClient:
         with self._lock:
             if self._closed:
                 raise SideChannelError("side-channel client is closed")
-            idle = self._idle.setdefault(address, [])
-            if idle:
-                return idle.pop()
+            for sock in reversed(self._idle):  # the most recently used first
+                if self._idle[sock] == address:
+                    del self._idle[sock]
+                    return sock
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{address}")
@@ -435,9 +523,16 @@ class SideChannelClient:
     def _checkin(self, address: str, sock: zmq.Socket) -> None:
         with self._lock:
             if self._closed:
-                sock.close()
-            else:
-                self._idle.setdefault(address, []).append(sock)
+                self._close_socket(sock)
+                return
+            self._idle[sock] = address
+            while len(self._idle) > self._max_idle:
+                self._close_socket(self._idle.popitem(last=False)[0])
+
+    def _close_socket(self, sock: zmq.Socket) -> None:
+        """Under the lock: ``sock`` is nobody's any more."""
+        self._late.pop(sock, None)
+        sock.close()
 
     def call(
         self,
@@ -452,7 +547,7 @@ class SideChannelClient:
         sock = self._checkout(address)
         try:
             with latency_critical_section():
-                sealed, nonce = seal_frame(self._keys, encode_frame(frame), REQUEST)
+                sealed, nonce = seal_request(self._keys, frame, address)
                 sock.send(sealed)
                 deadline = time.monotonic() + timeout_s
                 while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
@@ -467,14 +562,14 @@ class SideChannelClient:
                     if getattr(reply, "transfer_id", None) == frame.transfer_id:
                         return reply
                 self._late[sock].append(nonce)  # its reply may still come on this socket
-                self._withdraw(sock, frame)
+                self._withdraw(sock, frame, address)
                 raise SideChannelError(
                     f"no answer from producer side channel {address} in {timeout_s:.1f}s"
                 )
         finally:
             self._checkin(address, sock)
 
-    def _withdraw(self, sock: zmq.Socket, frame: Acquire | Await | Release) -> None:
+    def _withdraw(self, sock: zmq.Socket, frame: Acquire | Await | Release, address: str) -> None:
         """After an ``Acquire`` with blocks went unanswered, a ``Release`` (``ok`` false) of
         its owner token behind it on the same socket, not waited for.
 
@@ -488,7 +583,7 @@ class SideChannelClient:
         if not isinstance(frame, Acquire) or frame.wait_ms:
             return
         release = Release(frame.transfer_id, ok=False, owner=frame.owner)
-        sealed, nonce = seal_frame(self._keys, encode_frame(release), REQUEST)
+        sealed, nonce = seal_request(self._keys, release, address)
         with contextlib.suppress(zmq.ZMQError):  # a full queue: the pull hold still bounds it
             sock.send(sealed, zmq.NOBLOCK)
             self._late[sock].append(nonce)
@@ -521,9 +616,8 @@ class SideChannelClient:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            for socks in self._idle.values():
-                for sock in socks:
-                    sock.close()
+            for sock in self._idle:
+                self._close_socket(sock)
             self._idle.clear()
         # The context is not terminated: a call in flight may still hold a socket. One client
         # lives as long as its worker process.
