@@ -26,15 +26,17 @@ channels of the producer's TP ranks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
-import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+import aiohttp
 
 from mooncake_vllm.p2p.protocol import (
     Handoff,
@@ -49,7 +51,8 @@ logger = logging.getLogger(__name__)
 
 # The keys that mark the decode leg of upstream's convention.
 UPSTREAM_KEYS = ("remote_bootstrap_addr", "remote_engine_id")
-# One ``/query`` at most this long, whatever the load's deadline (orchestrators use 5 s).
+# One ``/query`` at most this long in all (connect to last byte), whatever the load's deadline
+# (orchestrators use 5 s).
 QUERY_TIMEOUT_S = 5.0
 # Bootstrap services remembered per consumer worker (least recently used forgotten first).
 MAX_BOOTSTRAPS = 256
@@ -251,19 +254,30 @@ class BootstrapResolver:
 
 
 def fetch_query(addr: str, timeout_s: float) -> object:
-    """``GET {addr}/query``, parsed; raises on any failure (no redirects are followed)."""
+    """``GET {addr}/query``, parsed; raises on any failure (a redirect or another status than
+    200 included: the bootstrap named is the one asked). ``timeout_s`` bounds the whole call,
+    from the connect to the answer's last byte, so a bootstrap that trickles its answer holds
+    a pull thread no longer than that. Runs on the calling thread (a pull job's), in an event
+    loop of its own: resolves are few (the resolver caches their answers)."""
     started = time.monotonic()
-    opener = urllib.request.build_opener(_NoRedirect)
-    with opener.open(f"{addr}/query", timeout=timeout_s) as resp:
-        body = resp.read(MAX_QUERY_BYTES + 1)
-    if len(body) > MAX_QUERY_BYTES:
-        raise ValueError(f"answer over {MAX_QUERY_BYTES} bytes")
+    try:
+        body = asyncio.run(asyncio.wait_for(_get_query(addr), timeout_s))
+    except TimeoutError:
+        raise TimeoutError(f"no whole answer in {timeout_s:.1f}s") from None
     logger.debug("asked %s/query in %.1f ms", addr, 1000 * (time.monotonic() - started))
     return json.loads(body)
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is an error (urllib raises HTTPError): the bootstrap named is the one asked."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
+async def _get_query(addr: str) -> bytes:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{addr}/query", allow_redirects=False) as resp,
+    ):
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status} {resp.reason or ''}".rstrip())
+        body = bytearray()
+        async for chunk in resp.content.iter_any():
+            body += chunk
+            if len(body) > MAX_QUERY_BYTES:
+                raise ValueError(f"answer over {MAX_QUERY_BYTES} bytes")
+        return bytes(body)
