@@ -14,9 +14,10 @@ import re
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
+from test_proxy_http1 import Handler, _server  # a loopback server that records its peers
 
 from mooncake_vllm.proxy import http1
 from mooncake_vllm.proxy.config import ProxyConfig
@@ -24,28 +25,8 @@ from mooncake_vllm.proxy.errors import FailureKind, LegDeadline, classify
 from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MiB = 1024 * 1024
 HUGE_BYTES = 300 * MiB  # what the hostile servers offer to send
-
-
-@contextlib.asynccontextmanager
-async def _server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
-    """A TCP server on loopback; yields its URL and the client ports it accepted, in order."""
-    peers: list[int] = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peers.append(writer.get_extra_info("peername")[1])
-        try:
-            await handler(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    async with server:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", peers
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
