@@ -24,6 +24,7 @@ from mooncake_vllm.proxy.app import create_app
 from mooncake_vllm.proxy.config import LogLevel, ProxyConfig
 from mooncake_vllm.proxy.http_servers import SERVE, HttpServer
 from mooncake_vllm.proxy.routing import Policy
+from mooncake_vllm.transfer.stores import redact_url
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 
@@ -297,13 +298,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def startup_line(cfg: ProxyConfig) -> str:
-    """The first log line: where the proxy listens and which backends it sends to."""
+    """The first log line: where the proxy listens and which backends it sends to; the
+    registry's URL without its credentials (backend URLs cannot carry any: ``config``)."""
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     return (
         f"serving on http://{host}:{cfg.port} ({cfg.server.value}), "
         f"prefill {', '.join(cfg.prefill) or '-'}, decode {', '.join(cfg.decode) or '-'}, "
         f"policy {cfg.policy.value}"
-        + (f", discovering backends in {cfg.discover}" if cfg.discover else "")
+        + (f", discovering backends in {redact_url(cfg.discover)}" if cfg.discover else "")
     )
 
 

@@ -206,7 +206,13 @@ class MetadataAuth(BaseModel):
 # ---- where the store is -------------------------------------------------------------------------
 
 
-_SECRET_QUERY = re.compile(r"(?i)\b(password|passwd|pass|token|secret)=[^&#]*")
+# A query parameter whose value is a credential: its name is one of these words, alone or as the
+# last part of a longer name (access_token, api_key, client_secret, X-Amz-Signature, x-api-key).
+_SECRET_QUERY = re.compile(
+    r"(?i)(?:(?<=[?&;])|^)((?:[a-z0-9]*[_.-])*"
+    r"(?:password|passwd|pass|pwd|token|secret|key|apikey|auth|authorization|credentials?"
+    r"|sig|signature))=[^&#;]*"
+)
 
 
 def redact_url(url: str) -> str:
