@@ -55,6 +55,8 @@ async def serve_uvicorn(
 ) -> None:
     import uvicorn
 
+    from mooncake_vllm.proxy.http_head import BoundedHttpToolsProtocol
+
     class _Server(uvicorn.Server):
         # uvicorn's own handlers would re-raise the signal after a clean stop (exit status -15).
         @contextlib.contextmanager
@@ -65,7 +67,7 @@ async def serve_uvicorn(
         app,
         host=host,
         port=port,
-        http="httptools",
+        http=BoundedHttpToolsProtocol,  # httptools, with the request head bounded
         loop="none",  # the caller's loop (uvloop when server.main runs it)
         lifespan="on",
         access_log=False,
