@@ -29,6 +29,10 @@ decode fails mid-stream                 a final ``data: {"error": ...}`` event, 
 client goes away mid-stream             the decode connection is closed, so vLLM aborts
 no or a wrong API key (``--api-key*``)  401 (also on /metrics, /health with ``--protect-*``)
 over a ``--client-*`` limit             429 with ``Retry-After``; no backend sees the request
+a head too large or too slow            431 or 408, the connection closed (``http_head``)
+a body too large or too slow            413 (``--max-body-bytes``) or 408 (``--body-timeout-s``)
+client leaves before its body is whole  logged at INFO, counted as 499; nothing answered
+too many prompts, JSON nested too deep  400 naming ``--max-prompts`` / the nesting
 ======================================  =====================================================
 """
 
@@ -162,7 +166,7 @@ async def models(backends: Backends, ctx: RequestContext) -> Response:
 def create_app(cfg: ProxyConfig) -> Quart:
     app = Quart("mooncake_vllm.proxy")
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
-    app.config["BODY_TIMEOUT"] = cfg.timeout_s
+    app.config["BODY_TIMEOUT"] = cfg.body_timeout_s
     # The decode leg carries the --timeout-s deadline and a stream that misses it ends with an
     # error event (see DecodeStream); Quart's own response timeout would cut it silently.
     app.config["RESPONSE_TIMEOUT"] = None
@@ -243,8 +247,12 @@ def create_app(cfg: ProxyConfig) -> Quart:
         try:
             body = rewrite.parse_body(incoming.body)
             rewrite.validate_body(body, incoming.path)
+            prompt_list.check_prompt_count(body, cfg.max_prompts)
         except rewrite.InvalidRequest as e:
             raise ProxyError.of(400, e.message, "invalid_request_error", e.param) from e
+        except RecursionError as e:  # msgspec's decoder recurses per level ("[[[[...")
+            message = "request body is nested too deeply to parse: send a flatter JSON object"
+            raise ProxyError.of(400, message, "invalid_request_error") from e
         # vLLM names its answer after X-Request-Id, else the body's request_id; the proxy sends
         # X-Request-Id on both legs, so it takes the body's when the client sent no header.
         body_request_id = body.get("request_id")
@@ -272,7 +280,7 @@ def create_app(cfg: ProxyConfig) -> Quart:
         gate,
         generation,
         max_body_bytes=cfg.max_body_bytes,
-        body_timeout_s=cfg.timeout_s,
+        body_timeout_s=cfg.body_timeout_s,
     )
     return app
 

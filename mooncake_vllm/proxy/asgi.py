@@ -9,7 +9,9 @@ paths skip it and keep what it gave them, in one place each:
 
 - the per-request gate (API key, ``--client-*`` limits, ``X-Request-Id``): ``app.Gate``, which
   Quart's ``before_request`` uses for the other routes;
-- the request body limit (``--max-body-bytes``: 413) and its read deadline (``--timeout-s``: 408);
+- the request body limit (``--max-body-bytes``: 413) and its read deadline
+  (``--body-timeout-s``: 408); a client that leaves before its body is whole is logged at INFO
+  and counted with status 499 (nginx's "client closed request"), not as a failure;
 - OpenAI-shaped error bodies for every failure, ``X-Request-Id`` on every answer, and the
   ``mooncake_proxy_requests_total`` count;
 - a client that goes away cancels the request (the decode connection is closed, so vLLM aborts
@@ -28,7 +30,6 @@ from werkzeug.exceptions import (
     HTTPException,
     MethodNotAllowed,
     RequestEntityTooLarge,
-    RequestTimeout,
 )
 
 from mooncake_vllm.proxy import rewrite
@@ -45,6 +46,9 @@ AsgiApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 GENERATION_PATHS = frozenset({rewrite.COMPLETIONS_PATH, rewrite.CHAT_COMPLETIONS_PATH})
 
 _JSON = b"application/json"
+# What ``mooncake_proxy_requests_total`` counts a request under whose client left before its
+# body was whole: nothing was answered (nginx's "client closed request").
+CLIENT_LEFT_STATUS = 499
 
 
 class Stream(Protocol):
@@ -160,8 +164,6 @@ class GenerationDoor:
         gone = _ClientGone()
         try:
             await self._serve(scope, receive, send, task, gone)
-        except _ClientLeft:
-            pass  # before its body was read: nobody to answer
         except asyncio.CancelledError:
             if not gone.cancelled_us:
                 raise
@@ -199,6 +201,12 @@ class GenerationDoor:
             answer = await self._handler(incoming, admitted)
         except _BodyError as e:
             answer = e.answer
+        except _ClientLeft:
+            logger.info(
+                "%s: the client left before its request body was whole", admitted.request_id
+            )
+            self._gate.count(path, CLIENT_LEFT_STATUS)
+            return
         except ProxyError as e:
             logger.info("%s -> %d: %s", admitted.request_id, e.status, e)
             answer = Answer.json(e.status, e.body)
@@ -214,32 +222,32 @@ class GenerationDoor:
         gone.stop()
 
     async def _read_body(self, receive: Receive, content_length: bytes | None) -> bytes:
+        """The whole request body, at most ``--max-body-bytes`` (413) within
+        ``--body-timeout-s`` (408): every wait for it counts, the first included, so a client
+        that sends a head and then nothing is answered and its ``--client-*`` slot freed."""
         limit = self._max_body_bytes
         if content_length is not None and content_length.isdigit() and int(content_length) > limit:
             raise _BodyError(http_error_answer(RequestEntityTooLarge(), limit))
-        message = await receive()
-        body = message.get("body", b"")
-        if not message.get("more_body", False) and message["type"] == "http.request":
-            if len(body) > limit:
-                raise _BodyError(http_error_answer(RequestEntityTooLarge(), limit))
-            return body
-        # A body in several messages (a large prompt): read it under --timeout-s.
-        chunks = [body]
-        size = len(body)
+        chunks: list[bytes] = []
+        size = 0
         try:
             async with asyncio.timeout(self._body_timeout_s):
-                while message["type"] == "http.request" and message.get("more_body", False):
+                while True:
                     message = await receive()
+                    if message["type"] != "http.request":
+                        raise _ClientLeft  # http.disconnect: nobody to answer
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
                         raise _BodyError(http_error_answer(RequestEntityTooLarge(), limit))
                     chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
         except TimeoutError:
-            raise _BodyError(http_error_answer(RequestTimeout(), limit)) from None
-        if message["type"] == "http.disconnect":
-            raise _ClientLeft
-        return b"".join(chunks)
+            message = f"the request body did not arrive within {self._body_timeout_s:g}s"
+            answer = Answer.json(408, rewrite.openai_error(f"{message} (--body-timeout-s)"))
+            raise _BodyError(answer) from None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _send(self, send: Send, answer: Answer, admitted: Admitted, path: str) -> None:
         headers = [

@@ -103,6 +103,15 @@ class ProxyConfig(BaseModel):
     connect_timeout_s: float = Field(5.0, gt=0)
     health_interval_s: float = Field(5.0, gt=0)
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    # The whole request body must have arrived this long after its head (408 otherwise): a
+    # client that sends a head and then stalls frees its connection and --client-* slot.
+    body_timeout_s: float = Field(60.0, gt=0)
+    # Prompts in one /v1/completions list (400 beyond): each is a prefill leg and a decode
+    # request of its own (``fanout``).
+    max_prompts: int = Field(256, ge=1)
+    # Legs of one prompt list being sent at once: each holds its own encoded body, which
+    # repeats every field of the client's body but the prompt.
+    prompt_list_concurrency: int = Field(8, ge=1)
     log_level: LogLevel = "info"
 
     @field_validator("server")

@@ -4,6 +4,13 @@ prompt, all at once, and one answer merged from theirs (``prompt_list``).
 Every request of the list succeeds or the client gets the first failure (lowest prompt index
 among those failed when it is seen) with its status and error body, as from a single prompt;
 the other legs are cancelled then, and their open decode answers closed, so vLLM aborts them.
+
+Memory is bounded per request, not per prompt: the per-prompt bodies share the client body's
+values (``prompt_list.body_for`` copies one dict level), and a leg's JSON bytes, the only
+full-size copy, exist only while that leg is being sent. At most ``--prompt-list-concurrency``
+legs of one list are being sent at once (``_LegSlots``), so a list of N prompts in front of a
+large shared field holds that many encoded bodies, not N (before: 100 prompts beside 4 MiB of
+shared fields took the proxy from 67 to 932 MiB).
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ async def generate_each_prompt(
     plan = prompt_list.plan(prompts)
     bodies = [prompt_list.body_for(body, prompt) for prompt in plan.distinct]
     contexts = [_context_for(backends, ctx, b) for b in bodies]
+    slots = asyncio.Semaphore(backends.cfg.prompt_list_concurrency)
     prefills = [
-        asyncio.create_task(legs.prefill(backends, c, b))
+        asyncio.create_task(_prefill(backends, c, b, slots))
         for c, b in zip(contexts, bodies, strict=True)
     ]
     logger.info("%s: %d prompts, %d prefill legs", ctx.request_id, len(prompts), len(plan.distinct))
@@ -42,7 +50,7 @@ async def generate_each_prompt(
     try:
         # Each prompt's decode opens as soon as its own prefill is done.
         answers = [
-            _decode(backends, contexts[leg], bodies[leg], prefills[leg], stream)
+            _decode(backends, contexts[leg], bodies[leg], prefills[leg], stream, slots)
             for leg in plan.leg_of
         ]
         if not stream:
@@ -63,18 +71,40 @@ def _context_for(backends: Backends, ctx: RequestContext, body: dict[str, Any]) 
     return with_route_keys(ctx, body, backends.cfg.policy)
 
 
+async def _prefill(
+    backends: Backends, ctx: RequestContext, body: dict[str, Any], slots: asyncio.Semaphore
+) -> legs.PrefillOutcome:
+    """One distinct prompt's prefill leg, sent when one of the list's leg slots is free."""
+    async with slots:
+        return await legs.prefill(backends, ctx, body)
+
+
+async def _open_decode(
+    backends: Backends,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    outcome: legs.PrefillOutcome,
+    slots: asyncio.Semaphore,
+) -> OpenDecode:
+    """One prompt's decode leg sent and opened up to its first token, in one of the list's leg
+    slots: its encoded body lives only in here."""
+    async with slots:
+        data = rewrite.encode_json(rewrite.build_decode_body(body, outcome.kv_transfer_params))
+        return await legs.open_decode_ok(backends, ctx, data)
+
+
 async def _decode(
     backends: Backends,
     ctx: RequestContext,
     body: dict[str, Any],
     prefill: asyncio.Task[legs.PrefillOutcome],
     stream: bool,
+    slots: asyncio.Semaphore,
 ) -> Any:
     """One prompt's decode once its prefill is done: its answer parsed (not streamed) or open."""
     # Shielded: several prompts may wait on one prefill, which only its owner cancels.
     outcome = await asyncio.shield(prefill)
-    data = rewrite.encode_json(rewrite.build_decode_body(body, outcome.kv_transfer_params))
-    leg = await legs.open_decode_ok(backends, ctx, data)
+    leg = await _open_decode(backends, ctx, body, outcome, slots)
     if stream:
         return leg
     raw = await legs.read_decode(backends, leg)

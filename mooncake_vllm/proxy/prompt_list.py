@@ -26,6 +26,8 @@ from typing import Any
 
 import msgspec
 
+from mooncake_vllm.proxy.rewrite import InvalidRequest
+
 Prompt = str | list[int]
 
 _DONE = b"data: [DONE]\n\n"
@@ -42,6 +44,18 @@ def prompts_to_split(body: dict[str, Any]) -> list[Prompt] | None:
     if not isinstance(prompt, list) or len(prompt) < 2 or isinstance(prompt[0], int):
         return None
     return list(prompt)
+
+
+def check_prompt_count(body: dict[str, Any], max_prompts: int) -> None:
+    """Refuse a completion whose ``prompt`` list holds more than ``max_prompts`` prompts
+    (``--max-prompts``): each would be a prefill leg and a decode request of its own."""
+    prompts = prompts_to_split(body)
+    if prompts is not None and len(prompts) > max_prompts:
+        raise InvalidRequest(
+            f"'prompt' holds {len(prompts)} prompts; at most {max_prompts} are accepted in one "
+            "request (--max-prompts): send the list in several requests",
+            "prompt",
+        )
 
 
 @dataclass(frozen=True)

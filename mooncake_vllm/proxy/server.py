@@ -153,6 +153,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest client request body; larger ones get 413 (%(default)s)",
     )
     p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=defaults["body_timeout_s"].default,
+        help="deadline for a client's whole request body after its head; later gets 408 "
+        "(%(default)s)",
+    )
+    p.add_argument(
+        "--max-prompts",
+        type=int,
+        default=defaults["max_prompts"].default,
+        help="most prompts in one /v1/completions list; more get 400 (%(default)s)",
+    )
+    p.add_argument(
+        "--prompt-list-concurrency",
+        type=int,
+        default=defaults["prompt_list_concurrency"].default,
+        help="legs of one prompt list sent at once; each holds a copy of the request body "
+        "(%(default)s)",
+    )
+    p.add_argument(
         "--log-level",
         choices=list(LogLevel.__args__),
         default=defaults["log_level"].default,
