@@ -230,3 +230,12 @@ def test_a_local_user_cannot_forge_keys_through_the_bridge(monkeypatch):
         finally:
             bridge.close()
         assert _status("GET", f"{store_url}?key={OWN_SEGMENT}", token=TOKEN) == 404  # deleted
+
+
+def test_the_engines_startup_error_does_not_show_the_bridges_secret():
+    from mooncake_vllm.transfer.engine import _shown
+
+    secret = "s3cr3t-path_Seg"
+    shown = _shown(f"http://127.0.0.1:4000/{secret}/metadata")
+    assert secret not in shown and shown == "http://127.0.0.1:4000/<secret>/metadata"
+    assert _shown("P2PHANDSHAKE") == "P2PHANDSHAKE"

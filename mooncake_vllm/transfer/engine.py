@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -93,7 +94,8 @@ class TransferAgent:
         adopt_native_threads(started, "mc-te", realtime=protocol == "tcp")
         if rc != 0:
             raise EngineInitError(
-                f"transfer engine initialize({hostname!r}, {metadata_server!r}, {protocol!r}, "
+                f"transfer engine initialize({hostname!r}, {_shown(metadata_server)!r}, "
+                f"{protocol!r}, "
                 f"{device_name!r}) returned {rc}; check the metadata server is reachable and the "
                 "address is local"
             )
@@ -265,3 +267,9 @@ class TransferAgent:
         # Dropping the engine now runs its destructor, which removes its metadata keys, while
         # the metadata bridge that serves them is still up.
         self._te = None
+
+
+def _shown(metadata_server: str) -> str:
+    """``metadata_server`` for a log line: the bridge's URL without its per-start secret path
+    segment (``store_bridge``: ``http://127.0.0.1:PORT/<secret>/metadata``)."""
+    return re.sub(r"^(https?://[^/]+/)[^/]+(/metadata)$", r"\1<secret>\2", metadata_server)
