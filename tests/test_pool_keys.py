@@ -1,9 +1,11 @@
-"""Pool keys: the hash chain over token blocks, its salt, the TP rank, the partial tail."""
+"""Pool keys: the hash chain over token blocks, its salt, the TP rank, the partial tail, and what
+else decides a block's KV (LoRA adapter, images, ``cache_salt``) as vLLM's prefix cache keys."""
 
 from __future__ import annotations
 
 import pytest
 
+from mooncake_vllm.core.prompt_identity import PLAIN, MMSpan, PromptIdentity
 from mooncake_vllm.pool.keys import (
     block_keys,
     chain_digests,
@@ -109,3 +111,50 @@ def test_leading_hits_rejects_a_short_answer():
 def test_kv_replicated_has_one_copy_under_rank_0(tp_size, tp_rank, replicated, ranks, rank):
     assert key_ranks(tp_size, replicated) == ranks
     assert key_rank(tp_rank, replicated) == rank
+
+
+SQL = PromptIdentity(lora=("sql", "/adapters/sql"))
+IMG_A = PromptIdentity(mm=(MMSpan("hash-a", 140, 100),))  # placeholder tokens 140..239: block 1
+IMG_B = PromptIdentity(mm=(MMSpan("hash-b", 140, 100),))
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same_blocks"),
+    [
+        # Two adapters, or an adapter and none: no block's KV is the same.
+        (SQL, PromptIdentity(lora=("chat", "/adapters/chat")), 0),
+        (SQL, PromptIdentity(lora=("sql", "/adapters/sql-v2")), 0),  # a name re-pointed
+        (SQL, PLAIN, 0),
+        # Two tenants' salts, or a salt and none: only the first block hashes the salt, and
+        # the chain carries it into every later key.
+        (PromptIdentity(cache_salt="t1"), PromptIdentity(cache_salt="t2"), 0),
+        (PromptIdentity(cache_salt="t1"), PLAIN, 0),
+        # Two images behind the same placeholders: shared up to the block the image starts in.
+        (IMG_A, IMG_B, 1),
+        (IMG_A, PLAIN, 1),
+        # The same image one token later.
+        (IMG_A, PromptIdentity(mm=(MMSpan("hash-a", 141, 100),)), 1),
+        # Equal identities share everything, the partial tail included.
+        (SQL, PromptIdentity(lora=("sql", "/adapters/sql")), 3),
+        (IMG_A, PromptIdentity(mm=(MMSpan("hash-a", 140, 100),)), 3),
+    ],
+)
+def test_what_else_decides_the_kv_separates_keys_from_its_first_block_on(a, b, same_blocks):
+    da, db = chain_digests(BASE, 128, SALT, a), chain_digests(BASE, 128, SALT, b)
+    assert da[:same_blocks] == db[:same_blocks]
+    assert not set(da[same_blocks:]) & set(db)
+
+
+def test_a_plain_identity_keeps_todays_keys_so_running_pools_stay_valid():
+    assert chain_digests(BASE, 128, SALT, PLAIN) == chain_digests(BASE, 128, SALT)
+    # Blocks before an image are the plain prompt's blocks: a pool's text prefix still serves.
+    assert chain_digests(BASE, 128, SALT, IMG_A)[0] == chain_digests(BASE, 128, SALT)[0]
+
+
+def test_keys_with_an_identity_are_stable_across_runs():
+    # A change here orphans every LoRA, image or salted value in running pools.
+    ident = PromptIdentity(lora=("sql", "/a"), mm=(MMSpan("h", 1, 2),), cache_salt="t")
+    assert [d[:16] for d in chain_digests([1, 2, 3], 2, "x", ident)] == [
+        "f6198063622fa2b7",
+        "734115f54cfd2d0b",
+    ]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from mooncake_vllm.core.prompt_identity import MMSpan, PromptIdentity
 from mooncake_vllm.core.settings import load_settings
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, chain_digests
@@ -49,8 +50,26 @@ def half(
                              kv_replicated=replicated)  # fmt: skip
 
 
-def request(req_id="r1", prompt=PROMPT):
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt)
+def request(req_id="r1", prompt=PROMPT, **fields):
+    """A vLLM ``Request``'s fields the half reads; ``fields``: ``lora_request``, ``cache_salt``,
+    ``mm_features``, ``prompt_embeds``."""
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, **fields)
+
+
+def image(identifier, offset=140, length=100):
+    """A ``MultiModalFeatureSpec``: an image behind placeholder tokens 140..239 (block 1)."""
+    return SimpleNamespace(identifier=identifier,
+                           mm_position=SimpleNamespace(offset=offset, length=length))  # fmt: skip
+
+
+SQL = SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path="/adapters/sql")
+# Request fields → the identity their keys must carry, and how many leading keys they share with
+# the plain prompt's.
+IDENTITIES = [
+    ({"lora_request": SQL}, PromptIdentity(lora=("sql", "/adapters/sql")), 0),
+    ({"cache_salt": "tenant-1"}, PromptIdentity(cache_salt="tenant-1"), 0),
+    ({"mm_features": [image("img-a")]}, PromptIdentity(mm=(MMSpan("img-a", 140, 100),)), 1),
+]
 
 
 class Blocks:
@@ -158,6 +177,7 @@ def test_a_producer_only_instance_never_looks_up():
 
 def test_saves_follow_chunked_prefill_and_end_with_the_partial_tail():
     h = half(None, consumer=False)
+    h.update_state_after_alloc(request(), Blocks([3, 4]), 0)  # vLLM admits it, then steps
     # Step 1: 200 of 300 tokens computed: block 0 is complete.
     meta = h.build_connector_meta(step(new=[("r1", PROMPT, [3, 4], 0)], scheduled={"r1": 200}))
     assert [(s.digests, s.block_ids) for s in meta.saves] == [(DIGESTS[:1], [3])]
@@ -173,12 +193,15 @@ def test_loaded_blocks_are_not_saved_again():
     h.get_num_new_matched_tokens(request(), 0)
     h.update_state_after_alloc(request(), Blocks([3, 4, 5]), 256)
     h.build_connector_meta(step())
+    # The load ended: vLLM admits the request again (nothing more to load) and schedules it.
+    h.update_state_after_alloc(request(), Blocks([3, 4, 5]), 0)
     meta = h.build_connector_meta(step(new=[("r1", PROMPT, [3, 4, 5], 256)], scheduled={"r1": 44}))
     assert [(s.digests, s.block_ids) for s in meta.saves] == [(DIGESTS[2:], [5])]
 
 
 def test_a_consumer_only_instance_saves_nothing():
     h = half(DictStore(), producer=False)
+    h.update_state_after_alloc(request(), Blocks([3, 4, 5]), 0)
     assert (
         h.build_connector_meta(
             step(new=[("r1", PROMPT, [3, 4, 5], 0)], scheduled={"r1": 300})
@@ -239,3 +262,92 @@ def test_while_only_loads_are_pending_vllm_rests_until_a_worker_says_one_ended()
         sender.close()
     finally:
         h.shutdown()
+
+
+@pytest.mark.parametrize(("fields", "identity", "shared"), IDENTITIES)
+def test_lookups_ask_for_the_keys_of_the_adapter_the_images_and_the_salt(fields, identity, shared):
+    """A pool holding the plain prompt's KV must not serve it to another adapter, image or
+    tenant: vLLM's own prefix cache keys carry all three."""
+    store = DictStore(block_keys(DIGESTS, 0))
+    h = half(store)
+    assert h.get_num_new_matched_tokens(request(**fields), 0) == (
+        (shared * BLOCK, True) if shared else (0, False)
+    )
+    keys = block_keys(chain_digests(PROMPT, BLOCK, SALT, identity), 0)
+    assert store.asked == [keys]
+    assert keys[:shared] == block_keys(DIGESTS, 0)[:shared]
+    # The same request again finds what a request like it saved.
+    h = half(DictStore(keys))
+    assert h.get_num_new_matched_tokens(request(**fields), 0) == (300, True)
+
+
+def test_two_adapters_or_two_tenants_never_meet_in_the_pool():
+    asked = {}
+    for name, fields in [
+        ("sql", {"lora_request": SQL}),
+        ("chat", {"lora_request": SimpleNamespace(lora_name="chat", lora_int_id=1,
+                                                   lora_path="/adapters/chat")}),
+        ("t1", {"cache_salt": "t1"}),
+        ("t2", {"cache_salt": "t2"}),
+        ("img-a", {"mm_features": [image("img-a")]}),
+        ("img-b", {"mm_features": [image("img-b")]}),
+    ]:  # fmt: skip
+        store = DictStore()
+        half(store).get_num_new_matched_tokens(request(**fields), 0)
+        asked[name] = store.asked[0]
+    for a, b, shared in [("sql", "chat", 0), ("t1", "t2", 0), ("img-a", "img-b", 1)]:
+        assert asked[a][:shared] == asked[b][:shared]
+        assert not set(asked[a][shared:]) & set(asked[b]), (a, b)
+
+
+@pytest.mark.parametrize(("fields", "identity", "shared"), IDENTITIES)
+def test_saves_are_keyed_by_the_identity_read_when_vllm_admits_the_request(
+    fields, identity, shared
+):
+    h = half(None, consumer=False)
+    h.update_state_after_alloc(request(**fields), Blocks([3, 4, 5]), 0)
+    meta = h.build_connector_meta(step(new=[("r1", PROMPT, [3, 4, 5], 0)], scheduled={"r1": 300}))
+    assert [s.digests for s in meta.saves] == [chain_digests(PROMPT, BLOCK, SALT, identity)]
+    assert meta.saves[0].digests[:shared] == DIGESTS[:shared]
+    assert meta.saves[0].digests[shared] != DIGESTS[shared]
+
+
+def test_a_request_whose_identity_was_not_read_is_not_saved():
+    """vLLM's ``NewRequestData`` has no ``cache_salt``: keys made from it alone could hand a
+    tenant's KV to another, so a request ``update_state_after_alloc`` never saw is skipped."""
+    h = half(None, consumer=False)
+    meta = h.build_connector_meta(step(new=[("r1", PROMPT, [3, 4, 5], 0)], scheduled={"r1": 300}))
+    assert meta.saves == []
+
+
+def test_a_prompt_of_embeddings_is_neither_looked_up_nor_saved():
+    store = DictStore(block_keys(DIGESTS, 0))
+    h = half(store)
+    embeds = request(prompt_embeds=object())  # with placeholder ids beside the embeddings
+    assert h.get_num_new_matched_tokens(embeds, 0) == (0, False)
+    assert store.asked == []
+    h.update_state_after_alloc(embeds, Blocks([3, 4, 5]), 0)
+    meta = h.build_connector_meta(step(new=[("r1", PROMPT, [3, 4, 5], 0)], scheduled={"r1": 300}))
+    assert meta.saves == []
+
+
+def test_a_real_vllm_request_is_read_the_same():
+    """The fields' names and shapes are vLLM's own (``Request``, ``LoRARequest``,
+    ``MultiModalFeatureSpec``), not only this file's stubs."""
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    real = Request(
+        "r1", PROMPT, SamplingParams(max_tokens=1), None,
+        lora_request=LoRARequest("sql", 3, "/adapters/sql"), cache_salt="tenant-1",
+        mm_features=[MultiModalFeatureSpec(data=None, modality="image", identifier="img-a",
+                                           mm_position=PlaceholderRange(offset=140, length=100))],
+    )  # fmt: skip
+    identity = PromptIdentity(
+        lora=("sql", "/adapters/sql"), mm=(MMSpan("img-a", 140, 100),), cache_salt="tenant-1"
+    )
+    store = DictStore()
+    half(store).get_num_new_matched_tokens(real, 0)
+    assert store.asked == [block_keys(chain_digests(PROMPT, BLOCK, SALT, identity), 0)]

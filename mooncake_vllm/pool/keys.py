@@ -10,6 +10,16 @@ so an MLA engine stores it once, under rank 0, and every rank of any TP size rea
 A partial block hashes its token count with its tokens: a
 prompt's 70-token tail and another's 100-token tail with the same first 70 tokens differ.
 
+What else decides a block's KV is hashed after its tokens, as vLLM's prefix cache does
+(``core.prompt_identity.block_extra_keys``): the LoRA adapter (name and path) on every block,
+the multimodal inputs overlapping the block, the request's ``cache_salt`` on the first block
+(and so, through the chain, on every later one). A block with none of these hashes exactly as
+before they were added, so a plain prompt's keys, and the values a running pool holds under
+them, are unchanged and ``KEY_VERSION`` stays. A block with any of them hashes more bytes than a
+plain block of the same token count, so the two never collide. A pool that served LoRA,
+multimodal or salted requests before this holds their KV under plain keys: restart its master
+when upgrading.
+
 The key string carries ``KEY_VERSION``: a change of the value's layout bumps it, and old values
 in a running pool are simply never found.
 """
@@ -20,12 +30,17 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from mooncake_vllm.core.prompt_identity import PLAIN, PromptIdentity, block_extra_keys
+
 KEY_VERSION = 1
 _PREFIX = f"mcv-pool/{KEY_VERSION}"
 
 
-def chain_digests(token_ids: Sequence[int], block_size: int, salt: str) -> list[str]:
-    """One hex digest per block of ``token_ids`` (the last block may be partial)."""
+def chain_digests(
+    token_ids: Sequence[int], block_size: int, salt: str, identity: PromptIdentity = PLAIN
+) -> list[str]:
+    """One hex digest per block of ``token_ids`` (the last block may be partial), each also
+    covering what ``identity`` adds to that block."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     prev = hashlib.sha256(f"{_PREFIX}/{salt}".encode()).digest()
@@ -35,6 +50,10 @@ def chain_digests(token_ids: Sequence[int], block_size: int, salt: str) -> list[
         h = hashlib.sha256(prev)
         h.update(len(chunk).to_bytes(4, "little"))
         h.update(array("q", chunk).tobytes())
+        extra = block_extra_keys(identity, start, start + len(chunk))
+        if extra:
+            h.update(len(extra).to_bytes(4, "little"))
+            h.update(extra)
         prev = h.digest()
         out.append(prev.hex())
     return out

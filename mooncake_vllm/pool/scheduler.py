@@ -12,6 +12,13 @@ whole prompt is computed). The workers put them before the step ends (``wait_for
 before vLLM can emit the request's first token, so a finished prefill's prompt is in the pool
 before its response leaves the server.
 
+Keys: a block's key covers its tokens, every token before it and what else decides its KV (the
+LoRA adapter, multimodal inputs, ``cache_salt``: ``core.prompt_identity``), read from the vLLM
+``Request``. The save path sees a request as vLLM's ``NewRequestData``, which lacks
+``cache_salt``, so the identity is taken from the ``Request`` in ``update_state_after_alloc``
+(vLLM calls it for every request it schedules from the waiting queue, in the same step) and a
+request whose identity was not seen is not saved. A prompt of embeddings has no key at all.
+
 Late writes: a get cannot be cancelled; one reported failed at its deadline may still write. Its
 destination blocks stay pinned in vLLM's block pool until every rank reports it settled (the P2P
 connector's ``BlockPins``).
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
+from mooncake_vllm.core.prompt_identity import PromptIdentity, prompt_identity
 from mooncake_vllm.p2p.local_channels import WakeForwarder
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys, chain_digests, key_ranks, leading_hits
@@ -95,6 +103,8 @@ class PoolSchedulerHalf:
         # Requests whose load was planned (never again) → blocks from the prompt start it covers.
         self._loaded: dict[str, int] = {}
         self._saving: dict[str, _Saving] = {}
+        # Requests allocated this step → their identity (None: no key), for ``_track``.
+        self._identities: dict[str, PromptIdentity | None] = {}
         self._pins: BlockPins | None = None
         self._stats = PoolStats()
         self._rests = Rests(engine_core)
@@ -117,8 +127,11 @@ class PoolSchedulerHalf:
     ) -> tuple[int, bool]:
         if not self._is_consumer or self._store is None or request.request_id in self._loaded:
             return 0, False
+        identity = prompt_identity(request)
         prompt = request.prompt_token_ids or []
-        digests = chain_digests(prompt, self._block_size, self._salt)
+        if identity is None or not prompt:
+            return 0, False
+        digests = chain_digests(prompt, self._block_size, self._salt, identity)
         first = num_computed_tokens // self._block_size
         wanted = digests[first:]
         if not wanted:
@@ -156,6 +169,8 @@ class PoolSchedulerHalf:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        if self._is_producer:
+            self._identities[request.request_id] = prompt_identity(request)
         planned = self._planned.pop(request.request_id, None)
         if planned is None or num_external_tokens == 0:
             return
@@ -188,11 +203,16 @@ class PoolSchedulerHalf:
     def _track(self, scheduler_output: SchedulerOutput) -> None:
         """Follow every scheduled prompt's blocks and computed length."""
         scheduled = scheduler_output.num_scheduled_tokens
+        # This step's admissions; one not among the new requests was a resumed one, whose
+        # saving goes on as it was.
+        identities, self._identities = self._identities, {}
         for new in scheduler_output.scheduled_new_reqs:
             prompt = new.prompt_token_ids or []
-            if not prompt:
+            identity = identities.get(new.req_id)
+            if not prompt or identity is None:
                 continue
-            saving = _Saving(chain_digests(prompt, self._block_size, self._salt), len(prompt))
+            digests = chain_digests(prompt, self._block_size, self._salt, identity)
+            saving = _Saving(digests, len(prompt))
             saving.block_ids = list(new.block_ids[0])
             saving.saved_blocks = self._loaded.get(new.req_id, 0)
             saving.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
@@ -256,6 +276,7 @@ class PoolSchedulerHalf:
         """Blocks are never held for the pool: saves end within the step that computed them."""
         req_id = request.request_id
         self._saving.pop(req_id, None)
+        self._identities.pop(req_id, None)
         self._planned.pop(req_id, None)
         self._loaded.pop(req_id, None)
         return False, None
