@@ -92,6 +92,16 @@ class MooncakeStoreConnector(HalvesConnector):
                 wake_endpoint=wake,
             )
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """vLLM's scheduler reads this once, at startup: True makes it drop a preempted
+        request's in-flight output and recompute it, so that a handoff does not go out from
+        blocks the preemption freed. The default is the producer role, True for ``kv_both``;
+        the pool hands nothing off when a request ends (its saves end within the step that
+        computed them) and is a best-effort cache, where a lost save is a later miss. False, as
+        vLLM's own ``OffloadingConnector`` answers."""
+        return False
+
     # ---- worker side ---------------------------------------------------------------------
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
