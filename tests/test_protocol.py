@@ -172,6 +172,37 @@ def test_the_prompt_digest_is_of_the_token_ids_and_empty_without_them():
     assert protocol.prompt_digest([]) == protocol.prompt_digest(None) == ""
 
 
+def test_the_prompt_digest_binds_what_else_decides_the_kv():
+    """One transfer id used by two requests with the same tokens but another LoRA adapter,
+    other images or another ``cache_salt`` is refused, as a prompt of other tokens is; a plain
+    request's digest is its token ids' alone, as before identities existed."""
+    from types import SimpleNamespace as NS
+
+    def request(**kw):
+        fields = {"prompt_token_ids": [5, 6, 7], "prompt_embeds": None, "lora_request": None}
+        fields |= {"mm_features": None, "cache_salt": None, **kw}
+        return NS(**fields)
+
+    plain = protocol.request_prompt_digest(request())
+    assert plain == protocol.prompt_digest([5, 6, 7])
+    lora_a = NS(lora_name="a", lora_path="/adapters/a")
+    lora_b = NS(lora_name="b", lora_path="/adapters/b")
+    image = NS(identifier="img-1", mm_position=NS(offset=1, length=2))
+    others = [
+        request(lora_request=lora_a),
+        request(lora_request=lora_b),
+        request(cache_salt="tenant-1"),
+        request(cache_salt="tenant-2"),
+        request(mm_features=[image]),
+    ]
+    digests = [protocol.request_prompt_digest(r) for r in others]
+    assert len({plain, *digests}) == 6
+    assert protocol.request_prompt_digest(request(cache_salt="tenant-1")) == digests[2]
+    h = _handoff(prompt_digest=digests[2])
+    with pytest.raises(protocol.HandoffError, match="holds another"):
+        _validate(h, prompt_digest=digests[3])
+
+
 @pytest.mark.parametrize("producer_tp", [1, 2, 4, 8])
 def test_any_tp_size_validates(producer_tp):
     """The consumer reads each head from a producer rank that holds it (planning.head_sources):

@@ -16,6 +16,7 @@ import msgspec
 
 from mooncake_vllm.core.auth import short_id
 from mooncake_vllm.core.planning import MemSegment
+from mooncake_vllm.core.prompt_identity import request_identity
 
 PROTOCOL_VERSION = 1
 
@@ -57,14 +58,25 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.to_builtins(self)
 
 
-def prompt_digest(token_ids: Sequence[int] | None) -> str:
+def prompt_digest(token_ids: Sequence[int] | None, identity: bytes = b"") -> str:
     """What binds a lease to its prompt: a 128-bit BLAKE2b of the prompt's token ids ("" when
-    the prompt has none, e.g. prompt embeddings). Both halves tokenize the same request, so a
-    decode whose prompt differs from the prefill's under one transfer id is told apart before a
-    byte moves (``LeaseTable.acquire``, ``validate_handoff``)."""
+    the prompt has none, e.g. prompt embeddings), then of ``identity`` (the LoRA adapter, the
+    multimodal inputs and the ``cache_salt``: ``core.prompt_identity.request_identity``; ``b""``
+    for a plain prompt, whose digest is the ids' alone). Both halves tokenize the same request,
+    so a decode whose prompt differs from the prefill's under one transfer id, in its tokens or
+    in what else decides its KV, is told apart before a byte moves (``LeaseTable.acquire``,
+    ``validate_handoff``)."""
     if not token_ids:
         return ""
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
+    h = hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16)
+    if identity:
+        h.update(b"\0identity\0" + identity)
+    return h.hexdigest()
+
+
+def request_prompt_digest(request: Any) -> str:
+    """``prompt_digest`` of a vLLM ``Request``: its token ids and its identity."""
+    return prompt_digest(request.prompt_token_ids, request_identity(request))
 
 
 class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):

@@ -46,7 +46,7 @@ from mooncake_vllm.p2p.protocol import (
     HandoffError,
     PendingHandoff,
     is_transfer_id,
-    prompt_digest,
+    request_prompt_digest,
     validate_handoff,
 )
 from mooncake_vllm.p2p.stats import MooncakeStats
@@ -315,7 +315,7 @@ class SchedulerHalf:
             "block_size": self._block_size,
             "kv_layout": self._kv_layout,
             "reblock_format": self._reblock_format,
-            "prompt_digest": prompt_digest(request.prompt_token_ids),
+            "prompt_digest": request_prompt_digest(request),
         }
 
     def _check(
@@ -486,7 +486,7 @@ class SchedulerHalf:
             kv_layout=self._kv_layout,
             kv_format=self._kv_format,
             producer_incarnation=self._leases.incarnation,
-            prompt_digest=prompt_digest(request.prompt_token_ids),
+            prompt_digest=request_prompt_digest(request),
         )
 
     def _answer(self, handoff: Handoff) -> dict[str, Any]:
@@ -603,7 +603,7 @@ class SharedPull:
     @classmethod
     def of(cls, puller: Request) -> SharedPull:
         req_id = puller.request_id
-        return cls(req_id, request_family(req_id), prompt_digest(puller.prompt_token_ids))
+        return cls(req_id, request_family(req_id), request_prompt_digest(puller))
 
     def shared_by(self, request: Request) -> bool:
         """Whether ``request`` is a sibling of the puller (one API request: vLLM's n > 1
@@ -611,5 +611,5 @@ class SharedPull:
         else is refused."""
         return (
             request_family(request.request_id) == self.family
-            and prompt_digest(request.prompt_token_ids) == self.prompt_digest
+            and request_prompt_digest(request) == self.prompt_digest
         )
