@@ -80,7 +80,7 @@ INHERITED = {
     "has_pending_block_frees": "blocks are freed through get_finished",
     "on_new_request": "nothing per new request",
     "register_finished_partial_tail": "no partial-block saving",
-    "requires_kv_delivery": "P2P keeps the default (the producer role); the pool answers False (a property)",
+    "requires_kv_delivery": "P2P keeps the default (the producer role); the pool: False",
     "requires_piecewise_for_cudagraph": "no per-layer hooks in the forward pass",
     "reset_cache": "prefix cache reset needs nothing from us",
     "reset_capture_state": "no CUDA-graph capture state",
