@@ -81,7 +81,9 @@ INHERITED = {
     "on_new_request": "nothing per new request",
     "register_finished_partial_tail": "no partial-block saving",
     "requires_kv_delivery": "P2P keeps the default (the producer role); the pool: False",
-    "requires_piecewise_for_cudagraph": "no per-layer hooks in the forward pass",
+    # Only ``layerwise_handoff`` works in save_kv_layer, and it is refused off the CPU backend
+    # (``check_layerwise``), where no CUDA graph replays.
+    "requires_piecewise_for_cudagraph": "the default (False): no per-layer work on a GPU",
     "reset_cache": "prefix cache reset needs nothing from us",
     "reset_capture_state": "no CUDA-graph capture state",
     "set_host_xfer_buffer_ops": "no host staging buffer through vLLM",
