@@ -136,7 +136,58 @@ class TinyMLASpec:
         return DeepseekV2ForCausalLM(config)
 
 
-TinySpec = TinyModelSpec | TinyMLASpec
+@dataclass(frozen=True)
+class TinyGemma3Spec:
+    """A Gemma 3 text model: sliding-window layers between full-attention ones (every
+    ``full_every``-th layer is full), which vLLM's hybrid memory allocator keeps in KV cache
+    groups of their own, a sliding group holding only the last ``sliding_window`` tokens."""
+
+    layers: int = 6
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 512
+    vocab: int = 2048
+    sliding_window: int = 128
+    full_every: int = 3
+    max_len: int = 8192
+    init_std: float = 0.1  # as the Llama's: clear greedy winners
+    seed: int = 1234
+
+    @property
+    def name(self) -> str:
+        return f"tiny-gemma3-l{self.layers}-w{self.sliding_window}-{_digest(self)}"
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [
+            "full_attention" if (i + 1) % self.full_every == 0 else "sliding_attention"
+            for i in range(self.layers)
+        ]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * 4  # K and V, float32
+
+    def _hf_model(self, vocab_size: int, bos_token_id: int, eos_token_id: int):
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(
+            **_common_config(self, vocab_size, bos_token_id, eos_token_id),
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            query_pre_attn_scalar=self.head_dim,
+            sliding_window=self.sliding_window,
+            layer_types=self.layer_types,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            pad_token_id=0,
+        )
+        return Gemma3ForCausalLM(config)
+
+
+TinySpec = TinyModelSpec | TinyMLASpec | TinyGemma3Spec
 
 # vLLM flags for serving a TinyMLASpec model on CPU (beside the harness's --dtype float32): the
 # reference MLA kernels, and vLLM's PyTorch rotary embedding instead of its CPU op, which rotates
