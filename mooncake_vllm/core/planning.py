@@ -73,22 +73,27 @@ def kv_cache_regions(
     block_size: int | None = None,
     heads: int | None = None,
     tokens_addressable: bool = True,
+    owners: list[str] | None = None,
 ) -> tuple[list[MemSegment], dict[int, tuple]]:
     """Every layer's KV tensor (``name → tensor``, enumerated by name, as every engine does) as
     memory segments, and the distinct storages behind them (``address → (bytes, a tensor on
     it)``), which is what a transfer engine registers. ``block_size`` and ``heads`` (KV heads
-    on this rank) describe each block's interior (``tensor_segments``)."""
+    on this rank) describe each block's interior (``tensor_segments``). ``owners``, if given,
+    gets each segment's layer name (a hybrid model's groups read their own layers')."""
     segments: list[MemSegment] = []
     storages: dict[int, tuple] = {}
     for name in sorted(kv_caches):
         t = kv_caches[name]
         args = (t.data_ptr(), tuple(t.shape), t.stride(), t.element_size(), num_blocks)
         try:
-            segments += tensor_segments(
+            more = tensor_segments(
                 *args, block_size=block_size, heads=heads, tokens_addressable=tokens_addressable
             )
         except PlanError:  # no token or head dimension found: whole-block copies only
-            segments += tensor_segments(*args)
+            more = tensor_segments(*args)
+        segments += more
+        if owners is not None:
+            owners += [name] * len(more)
         st = t.untyped_storage()
         storages[st.data_ptr()] = (st.nbytes(), t)
     return segments, storages

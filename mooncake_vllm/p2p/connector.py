@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from mooncake_vllm import vllm_glue
@@ -28,6 +29,7 @@ from mooncake_vllm.core.identity import (
     engine_kv_layout,
     kv_is_replicated,
 )
+from mooncake_vllm.core.kv_groups import GroupError, KVGroup, kv_groups
 from mooncake_vllm.core.model_identity import engine_model_identity
 from mooncake_vllm.p2p.config import load_settings, resolve
 from mooncake_vllm.p2p.leases.client import RankLayout
@@ -69,7 +71,29 @@ def check_layerwise(vllm_config: VllmConfig) -> None:
         )
 
 
-class MooncakeConnector(HalvesConnector):
+def engine_kv_groups(kv_cache_config: KVCacheConfig | None, layerwise: bool):
+    """The engine's KV cache groups (``core.kv_groups``); a model whose groups cannot be moved,
+    or ``layerwise_handoff`` with more than one, stops vLLM at startup naming why."""
+    from mooncake_vllm.core.settings import ConfigError
+
+    try:
+        groups = kv_groups(kv_cache_config)
+    except GroupError as e:
+        raise ConfigError(f"{e}; this model cannot be served through MooncakeConnector") from e
+    if layerwise and (len(groups) > 1 or groups[0].sliding_window):
+        raise ConfigError(
+            "layerwise_handoff=true marks whole layers of one full-attention KV cache group; "
+            f"this model has {len(groups)} ({', '.join(g.describe() for g in groups)}): set "
+            "layerwise_handoff to false"
+        )
+    return groups
+
+
+class MooncakeConnector(HalvesConnector, SupportsHMA):
+    """``SupportsHMA``: vLLM keeps its hybrid memory allocator on for us, so a model that mixes
+    sliding-window and full attention gets a KV cache group per kind (a sliding group holds the
+    window only) and its handoff names every group's blocks (``core.kv_groups``)."""
+
     metadata_type = MooncakeConnectorMetadata
     stats_type = MooncakeStats
     prom_metrics_type = MooncakePromMetrics
@@ -88,8 +112,10 @@ class MooncakeConnector(HalvesConnector):
         )
         self._scheduler: SchedulerHalf | None = None
         self._worker = None
-        if settings.layerwise_handoff and self._cfg.is_producer:
+        layerwise = settings.layerwise_handoff and self._cfg.is_producer
+        if layerwise:
             check_layerwise(vllm_config)
+        groups: tuple[KVGroup, ...] = engine_kv_groups(kv_cache_config, layerwise)
         model_identity = engine_model_identity(vllm_config, settings.model_identity)
         # Any TP size and block size on either side: the consumer re-lays the KV out.
         compat = engine_compat_hash(vllm_config, model_identity, any_layout=True)
@@ -107,6 +133,7 @@ class MooncakeConnector(HalvesConnector):
                 kv_heads=kv_heads,
                 kv_format=kv_format,
                 probe=probe,
+                kv_groups=groups,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -127,7 +154,19 @@ class MooncakeConnector(HalvesConnector):
                 kv_heads=kv_heads,
                 block_size=vllm_config.cache_config.block_size,
                 kv_format=kv_format,
+                kv_groups=groups,
             )
+
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid allocator on (every model then, one group or more): as
+        ``request_finished``, guarded the same way, with every group's blocks."""
+        try:
+            return self._scheduler.request_finished(request, block_ids[0], block_ids[1:])
+        except Exception:
+            logger.exception("request %s: not handed over, connector error", request.request_id)
+            return False, None
 
     # ---- worker side ---------------------------------------------------------------------
 

@@ -39,6 +39,9 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     side_channel_ports: list[int] = []
     producer_tp_size: int
     remote_block_ids: list[int]
+    # A hybrid model's KV cache groups 1.. (``remote_block_ids`` is group 0): each group's
+    # prompt blocks by position, the null block (0) where a sliding window had freed one.
+    group_block_ids: list[list[int]] = []
     prompt_len: int
     block_size: int
     compat_hash: str
@@ -189,6 +192,7 @@ def validate_handoff(
     kv_layout: str = "",
     reblock_format: str = "",
     prompt_digest: str = "",
+    kv_groups: int = 1,
 ) -> None:
     """Check a handoff against the request and this consumer; raises HandoffError.
 
@@ -217,6 +221,18 @@ def validate_handoff(
         )
     if h.block_size < 1:
         raise HandoffError(f"producer block size {h.block_size} must be at least 1")
+    if len(h.group_block_ids) + 1 != kv_groups:
+        raise HandoffError(
+            f"{len(h.group_block_ids) + 1} KV cache groups at the producer, {kv_groups} here: "
+            "serve both with the same model and the same hybrid KV cache manager setting "
+            "(--disable-hybrid-kv-cache-manager on both or neither)"
+        )
+    if kv_groups > 1 and h.block_size != block_size:
+        raise HandoffError(
+            f"block size {h.block_size} at the producer, {block_size} here: a hybrid model's "
+            f"{kv_groups} KV cache groups are moved at one block size only; serve both with "
+            "the same --block-size"
+        )
     if h.block_size != block_size and not (reblock_format and h.kv_format == reblock_format):
         why = (
             f"KV format {h.kv_format or 'unknown'!r} at the producer, this consumer re-blocks "
@@ -234,6 +250,11 @@ def validate_handoff(
         raise HandoffError(
             f"{len(h.remote_block_ids)} remote blocks for {prompt_len} tokens of block size "
             f"{h.block_size}, expected {need}"
+        )
+    if any(len(g) != need for g in h.group_block_ids):
+        raise HandoffError(
+            f"KV cache groups of {[len(g) for g in h.group_block_ids]} remote blocks for "
+            f"{prompt_len} tokens of block size {h.block_size}, expected {need} each"
         )
     for side, tp in (("producer", h.producer_tp_size), ("consumer", tp_size)):
         if not (kv_heads % tp == 0 or tp % kv_heads == 0):

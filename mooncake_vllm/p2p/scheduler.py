@@ -27,6 +27,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,6 +35,13 @@ import zmq
 from vllm.v1.request import RequestStatus
 
 from mooncake_vllm.core.auth import host_allowed, short_id
+from mooncake_vllm.core.kv_groups import (
+    GroupError,
+    KVGroup,
+    WindowKeeper,
+    claim_hold_back,
+    positions_to_fill,
+)
 from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
 from mooncake_vllm.core.planning import REBLOCKABLE
 from mooncake_vllm.p2p.bootstrap import BootstrapRegistration, BootstrapService, bootstrap_url
@@ -50,7 +58,7 @@ from mooncake_vllm.p2p.protocol import (
     validate_handoff,
 )
 from mooncake_vllm.p2p.stats import MooncakeStats
-from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
+from mooncake_vllm.p2p.step_metadata import GroupLoad, LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.p2p.upstream import bootstrap_host, parse_consumer_params, producer_params
 from mooncake_vllm.vllm_glue import (
     IDLE_STEP_PAUSE_S,
@@ -87,10 +95,18 @@ class SchedulerHalf:
         kv_heads: int = 1,
         kv_format: str = "",
         probe: Probe | None = None,
+        kv_groups: tuple[KVGroup, ...] = (KVGroup(()),),
     ):
         """``kv_heads``: the model's KV heads, all ranks (1 for an MLA latent). ``probe``: what
-        ``vllm_glue.check_vllm`` found (None: look for the engine core)."""
+        ``vllm_glue.check_vllm`` found (None: look for the engine core). ``kv_groups``: the KV
+        cache groups (``core.kv_groups``; one unless vLLM's hybrid allocator splits the
+        model's layers by kind of attention)."""
         self._cfg = cfg
+        self._groups = kv_groups
+        self._hold_back = claim_hold_back(kv_groups)
+        # Producer: the sliding-window blocks a consumer's first token needs, kept past the
+        # request (``kv_groups.WindowKeeper``).
+        self._keeper = WindowKeeper(kv_groups, block_size)
         self._kv_heads = kv_heads
         self._kv_format = kv_format
         # Handoffs of another block size are re-blocked where both sides keep this format.
@@ -201,10 +217,10 @@ class SchedulerHalf:
                 return 0, False
         return self._claim(request, num_computed_tokens)
 
-    @staticmethod
-    def _claim(request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """The prompt tokens the local prefix cache lacks, as an asynchronous external load."""
-        count = request.num_prompt_tokens - num_computed_tokens
+    def _claim(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The prompt tokens the local prefix cache lacks, as an asynchronous external load
+        (less the last one for a model with a sliding window: ``kv_groups.claim_hold_back``)."""
+        count = request.num_prompt_tokens - self._hold_back - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def _refuse(self, req_id: str, reason: str) -> None:
@@ -232,7 +248,7 @@ class SchedulerHalf:
             req_id = request.request_id
             logger.exception("request %s: refused, connector error", req_id)
             if num_external_tokens > 0:
-                local = blocks.get_unhashed_block_ids()
+                local = [b.block_id for b in blocks.blocks[0] if b.block_hash is None]
                 error = f"connector error while planning the load: {e!r}"
                 self._loads[req_id] = LoadSpec(req_id, None, [], local, error)
             self._settle_shared(req_id, failed=True)
@@ -256,14 +272,16 @@ class SchedulerHalf:
                 self._loads[req_id] = LoadSpec(req_id, handoff, [], [], error, checks=checks)
             self._settle_shared(req_id, failed=False)  # vLLM waits for no outcome
             return
-        local_block_ids = blocks.get_unhashed_block_ids()
-        cached = sum(1 for b in blocks.blocks[0] if b.block_hash is not None)
-        need = -(-request.num_prompt_tokens // self._block_size) - cached
-        if error is None and len(local_block_ids) != need:
-            error = (
-                f"{len(local_block_ids)} local blocks to fill, expected {need} after {cached} "
-                "locally cached"
-            )
+        end, size = request.num_prompt_tokens - self._hold_back, self._block_size
+        fills: list[tuple[int, list[int]]] = []
+        for g, group in enumerate(self._groups):
+            try:
+                fills.append(positions_to_fill(blocks.blocks[g], group, end, size))
+            except GroupError as e:
+                fills.append((0, [b.block_id for b in blocks.blocks[g] if b.block_hash is None]))
+                error = error or (f"KV cache group {g}: {e}" if len(self._groups) > 1 else str(e))
+        first, local_block_ids = fills[0]
+        others = [GroupLoad(ids, start * size) for start, ids in fills[1:]]
         if error is not None:
             logger.warning("request %s: handoff rejected: %s", req_id, error)
         pending = isinstance(handoff, PendingHandoff)
@@ -275,13 +293,17 @@ class SchedulerHalf:
             handoff.remote_block_ids if handoff and not pending else [],
             local_block_ids,
             error,
-            first_token=cached * self._block_size,
+            first_token=first * size,
             checks=self._checks(request) if pending else {},
+            groups=others,
+            end_token=end if self._hold_back else 0,
         )
         if self._pins is not None:
-            self._pins.pin(req_id, local_block_ids)
+            self._pins.pin(req_id, local_block_ids + [b for g in others for b in g.local_block_ids])
 
     def bind_block_pool(self, pool: BlockPool) -> None:
+        if self._cfg.is_producer and self._keeper.active:
+            self._keeper.bind(pool)
         if self._cfg.is_consumer:
             self._pins = BlockPins(pool, self._cfg.tp_size)
 
@@ -316,6 +338,7 @@ class SchedulerHalf:
             "kv_layout": self._kv_layout,
             "reblock_format": self._reblock_format,
             "prompt_digest": request_prompt_digest(request),
+            "kv_groups": len(self._groups),
         }
 
     def _check(
@@ -365,8 +388,11 @@ class SchedulerHalf:
     # ---- producer ------------------------------------------------------------------------
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[int], groups: Sequence[list[int]] = ()
     ) -> tuple[bool, dict[str, Any] | None]:
+        """``groups``: the blocks of KV cache groups 1.. (``block_ids`` are group 0's) of a
+        hybrid model, each a positional list with null blocks where a sliding window freed
+        them; they go out in the handoff and are held with the lease."""
         self._following.discard(request.request_id)  # a follower aborted while it waited
         self._refused.pop(request.request_id, None)  # finished before its blocks were given
         if request.request_id in self._pending_loads:  # aborted while its prefill computes
@@ -374,6 +400,7 @@ class SchedulerHalf:
             self._cancelled.add(request.request_id)
         params = request.kv_transfer_params
         if not (self._cfg.is_producer and asks_remote_decode(params)):
+            self._keeper.forget(request.request_id)
             return False, None
         self._producing.pop(request.request_id, None)
         error = param_type_error(params)
@@ -404,10 +431,21 @@ class SchedulerHalf:
         if transfer_id is None:
             return False, None
         prompt_block_ids = list(block_ids[:num_blocks])
-        handoff = self._handoff(request, transfer_id, prompt_block_ids)
+        if len(groups) != len(self._groups) - 1:
+            logger.warning(
+                "request %s: blocks of %d KV cache groups, this engine has %d; not handed over",
+                request.request_id,
+                len(groups) + 1,
+                len(self._groups),
+            )
+            return False, None
+        extra = [list(g[:num_blocks]) for g in groups]
+        self._keeper.keep(request, [prompt_block_ids, *extra])
+        handoff = self._handoff(request, transfer_id, prompt_block_ids, extra)
         # Held before the handoff leaves this process: an acquire never waits for a step (and a
         # pending one, sent with the prefill leg, is answered by this hold).
         if not self._leases.hold(request.request_id, transfer_id, prompt_block_ids, handoff):
+            self._keeper.release([request.request_id])
             return False, None
         return True, self._answer(handoff)
 
@@ -472,7 +510,13 @@ class SchedulerHalf:
         self._early[new.req_id] = handoff
         return [tid]
 
-    def _handoff(self, request: Request, transfer_id: str, block_ids: list[int]) -> Handoff:
+    def _handoff(
+        self,
+        request: Request,
+        transfer_id: str,
+        block_ids: list[int],
+        groups: list[list[int]] | None = None,
+    ) -> Handoff:
         return Handoff(
             transfer_id=transfer_id,
             producer_engine_id=self._cfg.engine_id,
@@ -480,6 +524,7 @@ class SchedulerHalf:
             side_channel_ports=[self._cfg.side_channel_port(r) for r in range(self._cfg.tp_size)],
             producer_tp_size=self._cfg.tp_size,
             remote_block_ids=block_ids,
+            group_block_ids=groups or [],
             prompt_len=request.num_prompt_tokens,
             block_size=self._block_size,
             compat_hash=self._compat_hash,
@@ -531,6 +576,9 @@ class SchedulerHalf:
         meta.cancelled, self._cancelled = self._cancelled, set()
         if self._leases is not None:
             meta.finished_sending = self._leases.take_finished()
+            if self._keeper.active:
+                self._keeper.release(meta.finished_sending)
+                self._track(scheduler_output)
             if self._producing:
                 meta.layer_marks = self._open_computing(scheduler_output)
                 meta.layers_token = self._leases.layers_token
@@ -552,6 +600,14 @@ class SchedulerHalf:
             # request ends the rest too.
             self._rest()
         return meta
+
+    def _track(self, scheduler_output: SchedulerOutput) -> None:
+        """Producer with a sliding window: every request's blocks as this step gives them."""
+        for new in scheduler_output.scheduled_new_reqs:
+            self._keeper.track(new.req_id, new.block_ids, new=True)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            self._keeper.track(req_id, ids, new=req_id in cached.resumed_req_ids)
 
     def _rest(self) -> None:
         """Do not let vLLM step until a worker has something to report or a request arrives.

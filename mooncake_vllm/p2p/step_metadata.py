@@ -12,6 +12,16 @@ from mooncake_vllm.p2p.protocol import Handoff, PendingHandoff
 
 
 @dataclass(frozen=True)
+class GroupLoad:
+    """A hybrid model's KV cache group beyond the first: its blocks to fill, from
+    ``first_token`` on (``core.kv_groups.positions_to_fill``); the producer's are the
+    handoff's ``group_block_ids``."""
+
+    local_block_ids: list[int]
+    first_token: int = 0
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     """Pull prompt tokens from ``first_token`` on (where the local prefix cache stops) into
     ``local_block_ids`` for one consumer request; ``remote_block_ids`` are all the producer's
@@ -33,6 +43,21 @@ class LoadSpec:
     error: str | None = None
     first_token: int = 0
     checks: dict[str, Any] = field(default_factory=dict)
+    # KV cache groups 1.. of a hybrid model (``local_block_ids`` and ``first_token`` are group
+    # 0's); empty for a model of one group.
+    groups: list[GroupLoad] = field(default_factory=list)
+    # The tokens loaded end here, short of the prompt (``kv_groups.claim_hold_back``); 0: the
+    # whole prompt.
+    end_token: int = 0
+
+    @property
+    def fills_blocks(self) -> bool:
+        """Whether the pull writes any local block (vLLM waits for its outcome)."""
+        return bool(self.local_block_ids) or any(g.local_block_ids for g in self.groups)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.local_block_ids) + sum(len(g.local_block_ids) for g in self.groups)
 
 
 @dataclass

@@ -42,6 +42,7 @@ import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from mooncake_vllm.core.auth import AuthError, host_allowed, open_record, seal_record, short_id
+from mooncake_vllm.core.kv_groups import GroupError, KVGroup, group_segments, trim_to_remote
 from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWorkerMeta
 from mooncake_vllm.core.os_threads import make_latency_critical, name_this_thread
 from mooncake_vllm.core.planning import (
@@ -180,11 +181,16 @@ class WorkerHalf:
         kv_heads: int = 1,
         block_size: int | None = None,
         kv_format: str = "",
+        kv_groups: tuple[KVGroup, ...] = (KVGroup(()),),
     ):
         """``kv_heads``: the model's KV heads, all ranks (1 for an MLA latent); ``block_size``:
         this engine's (None: whole-block copies from a producer of the same layout only);
-        ``kv_format``: how its blocks keep their tokens (``vllm_glue.kv_format``)."""
+        ``kv_format``: how its blocks keep their tokens (``vllm_glue.kv_format``);
+        ``kv_groups``: the KV cache groups (``core.kv_groups``), each read with its own blocks
+        into the segments of its own layers."""
         self._cfg = cfg
+        self._groups = kv_groups
+        self._group_segments: list[list[int]] = []  # per group: its layers' segment indices
         self._tp_rank = tp_rank
         # MLA: the latent is the same on every TP rank (see planning.producer_rank_for).
         self._kv_replicated = kv_replicated
@@ -239,13 +245,16 @@ class WorkerHalf:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # vLLM's CPU attention keeps a head's K column-major inside a block: heads split into
         # byte ranges, tokens do not (other block sizes would need a staging copy).
+        owners: list[str] = []
         segments, tensors = kv_cache_regions(
             kv_caches,
             self._num_blocks,
             self._block_size,
             len(self._heads),
             tokens_addressable=False,
+            owners=owners,
         )
+        self._group_segments = group_segments(self._groups, owners)
         storages = {a: (n, _memory_location(t)) for a, (n, t) in tensors.items()}
         self._segments = segments
         self._bytes_per_block = sum(s.block_len for s in segments)
@@ -317,12 +326,14 @@ class WorkerHalf:
                 self._publish_serving_url()
         logger.info(
             "MooncakeConnector worker rank %d (%s): %d layers, %d segments, %d B/block, "
-            "engine %s, side channel %s, metadata %s",
+            "%d KV cache group(s) (%s), engine %s, side channel %s, metadata %s",
             self._tp_rank,
             cfg.role,
             len(kv_caches),
             len(segments),
             self._bytes_per_block,
+            len(self._groups),
+            ", ".join(g.describe() for g in self._groups),
             self._engine.segment_name,
             side_channel or "-",
             cfg.metadata.describe(),
@@ -403,7 +414,7 @@ class WorkerHalf:
                 load.req_id,
                 partial(self._pull, load),
                 self._cfg.settings.load_timeout_s,
-                awaited=bool(load.local_block_ids),
+                awaited=load.fills_blocks,
             )
         for req_id in meta.cancelled:  # after the loads: one may end in the step it began
             if (event := self._cancels.get(req_id)) is not None:
@@ -471,9 +482,9 @@ class WorkerHalf:
             try:
                 load = self._resolved(load, deadline - start)
             except PullFailed as e:  # nothing acquired: nothing to release
-                return PullOutcome(load.req_id, ok=not load.local_block_ids, reason=str(e))
+                return PullOutcome(load.req_id, ok=not load.fills_blocks, reason=str(e))
         h = load.handoff
-        if not load.local_block_ids:  # vLLM does not wait on this one: just free the lease
+        if not load.fills_blocks:  # vLLM does not wait on this one: just free the lease
             if h is not None:
                 digest = load.checks.get("prompt_digest", "")
                 self._give_back(h, load.error is None, deadline - start, digest)
@@ -528,7 +539,7 @@ class WorkerHalf:
                 "request %s: pulled %d blocks (%d B, %d entries) from %d producer rank(s): "
                 "acquire %.1f ms, read %.1f ms",
                 load.req_id,
-                len(load.local_block_ids),
+                load.num_blocks,
                 out.nbytes,
                 out.entries,
                 len(acquired),
@@ -542,7 +553,7 @@ class WorkerHalf:
             return PullOutcome(
                 load.req_id,
                 ok=True,
-                blocks=len(load.local_block_ids),
+                blocks=load.num_blocks,
                 duration_s=time.monotonic() - start,
                 **figures,
             )
@@ -627,23 +638,53 @@ class WorkerHalf:
             self._read_reblocked(pull, rank, heads, reply)
             return
         src, dst = reply.segments, self._segments
-        if layers is not None:
+        # Each KV cache group: its producer blocks, its local blocks, where they start.
+        fills = [(load.remote_block_ids, load.local_block_ids, load.first_token, None)]
+        if load.groups or len(self._groups) > 1 or self._groups[0].sliding_window:
             if len(src) != len(dst):
                 raise PullFailed(f"{len(src)} remote segments vs {len(dst)} local ones")
-            src, dst = [src[i] for i in layers], [dst[i] for i in layers]
-        regions = plan_pull(
-            src,
-            dst,
-            heads=heads,
-            src_heads=rank_heads(self._kv_heads, h.producer_tp_size, rank),
-            dst_heads=self._heads,
-            src_block_size=h.block_size,
-            dst_block_size=self._block_size or h.block_size,
-            remote_block_ids=load.remote_block_ids,
-            local_block_ids=load.local_block_ids,
-            first_token=load.first_token,
-            end_token=h.prompt_len,
-        )
+            if len(h.group_block_ids) != len(load.groups):
+                raise PullFailed(
+                    f"{len(h.group_block_ids) + 1} KV cache groups in the handoff, "
+                    f"{len(load.groups) + 1} planned here"
+                )
+            remotes = [load.remote_block_ids, *h.group_block_ids]
+            fills = [
+                (remote, g.local_block_ids, g.first_token, i)
+                for i, (remote, g) in enumerate(zip(remotes, [load, *load.groups], strict=True))
+            ]
+        end = load.end_token or h.prompt_len
+        regions: list = []
+        for remote, local, first, group in fills:
+            g_src, g_dst = src, dst
+            if group is not None:
+                try:
+                    local, first = trim_to_remote(
+                        group, self._groups[group], remote, local, first, end, h.block_size
+                    )
+                except GroupError as e:
+                    raise PullFailed(str(e)) from e
+                if not local:
+                    continue  # this group's blocks are all in the local prefix cache
+                pick = self._group_segments[group]
+                g_src, g_dst = [src[i] for i in pick], [dst[i] for i in pick]
+            elif layers is not None:
+                if len(src) != len(dst):
+                    raise PullFailed(f"{len(src)} remote segments vs {len(dst)} local ones")
+                g_src, g_dst = [src[i] for i in layers], [dst[i] for i in layers]
+            regions += plan_pull(
+                g_src,
+                g_dst,
+                heads=heads,
+                src_heads=rank_heads(self._kv_heads, h.producer_tp_size, rank),
+                dst_heads=self._heads,
+                src_block_size=h.block_size,
+                dst_block_size=self._block_size or h.block_size,
+                remote_block_ids=remote,
+                local_block_ids=local,
+                first_token=first,
+                end_token=end,
+            )
         self._warm_up(reply, job)
         self._read_regions(pull, reply, regions, job.start_writing)
 
@@ -708,7 +749,7 @@ class WorkerHalf:
                     remote_block_ids=load.remote_block_ids,
                     local_block_ids=load.local_block_ids,
                     first_token=load.first_token,
-                    end_token=h.prompt_len,
+                    end_token=load.end_token or h.prompt_len,
                     read=lambda regions: self._read_regions(pull, reply, regions),
                     before_writing=before_writing,
                     submit=self._staging_reads.submit,
