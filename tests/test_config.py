@@ -361,3 +361,43 @@ def test_layerwise_handoff_is_refused_at_startup_off_vllms_synchronous_cpu_backe
         return
     with pytest.raises(ConfigError, match=r"layerwise_handoff=true .* to false"):
         check_layerwise(vllm_config)
+
+
+@pytest.mark.parametrize(("pp", "ok"), [(1, True), (2, False), (4, False)])
+def test_pipeline_parallel_is_refused_at_startup_naming_the_flag(pp, ok):
+    from types import SimpleNamespace
+
+    from mooncake_vllm.p2p.connector import refuse_pipeline_parallel
+
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
+    if ok:
+        refuse_pipeline_parallel(vllm_config)
+        return
+    with pytest.raises(ConfigError, match=rf"--pipeline-parallel-size {pp}: .* --pipeline-parallel-size 1"):
+        refuse_pipeline_parallel(vllm_config)
+
+
+def test_a_hybrid_model_is_refused_with_layerwise_handoff_and_a_mamba_group_at_all():
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from mooncake_vllm.p2p.connector import engine_kv_groups
+
+    def group(spec_type, names, **kw):
+        spec = object.__new__(spec_type)
+        for k, v in kw.items():
+            object.__setattr__(spec, k, v)
+        return SimpleNamespace(layer_names=names, kv_cache_spec=spec, enable_kv_transfer=True)
+
+    full = group(FullAttentionSpec, ["l.2"])
+    sliding = group(SlidingWindowSpec, ["l.0", "l.1"], sliding_window=128)
+    hybrid = SimpleNamespace(kv_cache_groups=[sliding, full])
+    groups = engine_kv_groups(hybrid, layerwise=False)
+    assert [g.describe() for g in groups] == ["sliding window 128", "full attention"]
+    assert len(engine_kv_groups(SimpleNamespace(kv_cache_groups=[full]), layerwise=True)) == 1
+    with pytest.raises(ConfigError, match=r"layerwise_handoff=true .* 2 \(sliding window 128"):
+        engine_kv_groups(hybrid, layerwise=True)
+    mamba = SimpleNamespace(kv_cache_groups=[full, group(MambaSpec, ["m.0"])])
+    with pytest.raises(ConfigError, match=r"KV cache group 1 \(1 layers\) is MambaSpec"):
+        engine_kv_groups(mamba, layerwise=False)

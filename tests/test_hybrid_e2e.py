@@ -20,12 +20,15 @@ import pytest
 from test_connector_e2e import body, eventually, nothing_held, prefill_body
 
 from harness.pd import (
+    PULL_COUNTERS,
     ServerSpec,
     complete,
     kv_args,
     mooncake_json,
+    pulls_since,
     reference_spec,
     start_many,
+    tokens_by_transfer,
     two_legs,
 )
 from harness.tiny_model import TinyGemma3Spec, build_tiny_model
@@ -109,9 +112,7 @@ def test_both_engines_keep_the_hybrid_allocator_and_three_groups(hybrid):
 async def test_outputs_equal_plain_and_each_group_moves_its_own_blocks(hybrid, http, stream):
     batch = prompts(seed=900 + stream)
     d = hybrid.decode
-    ext0 = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    pulls0, bytes0 = d.metric("mooncake_vllm:pulls_total"), d.metric("mooncake_vllm:bytes_total")
-    failures0 = d.metric("mooncake_vllm:pull_failures_total")
+    ext0, before = tokens_by_transfer(d), PULL_COUNTERS.read(d)
     refs = [await complete(http, hybrid.plain, body(hybrid.model, p, max_tokens=MAX_TOKENS))
             for p in batch]  # fmt: skip
     sem = asyncio.Semaphore(8)
@@ -136,17 +137,17 @@ async def test_outputs_equal_plain_and_each_group_moves_its_own_blocks(hybrid, h
     assert not mismatches, f"decode differs from plain for (len, plain, decode): {mismatches}"
 
     pulled = [p for p in batch if len(p) > 1]  # a 1-token prompt loads nothing
-    await eventually(lambda: d.metric("mooncake_vllm:pulls_total") - pulls0 == len(pulled))
-    assert d.metric("mooncake_vllm:pull_failures_total") == failures0
+    moved = await pulls_since(d, before, len(pulled))
+    assert (moved["pulls"], moved["pull_failures"]) == (len(pulled), 0)
     expected = sum(len(p) for p in batch)
-    ext = d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    assert ext - ext0 >= 0.99 * expected - len(batch), (ext - ext0, expected)
-    moved = d.metric("mooncake_vllm:bytes_total") - bytes0
-    assert moved == sum(pulled_bytes(len(p)) for p in batch)
+    ext = tokens_by_transfer(d) - ext0
+    assert ext >= 0.99 * expected - len(batch), (ext, expected)
+    assert moved["bytes"] == sum(pulled_bytes(len(p)) for p in batch)
     all_full = sum(blocks(len(p)) * SPEC.layers * LAYER_PAGE for p in batch)
     print(
-        f"\nhybrid pulls: {moved} B for {len(batch)} prompts ({expected} tokens); the same "
-        f"layers all of full attention: {all_full} B ({moved / all_full:.2f}x)"
+        f"\nhybrid pulls: {moved['bytes']:.0f} B for {len(batch)} prompts ({expected} tokens); "
+        f"the same layers all of full attention: {all_full} B "
+        f"({moved['bytes'] / all_full:.2f}x)"
     )
     await eventually(lambda: nothing_held(hybrid.prefill))
 
@@ -158,17 +159,14 @@ async def test_a_handoff_of_another_group_count_is_refused_naming_both(hybrid, h
     prompt = prompts(seed=950, lengths=[400])[0]
     head = await complete(http, hybrid.prefill, prefill_body(hybrid.model, prompt))
     params = dict(head.kv_transfer_params, group_block_ids=[])
-    failures0 = hybrid.decode.metric("mooncake_vllm:pull_failures_total")
-    bytes0 = hybrid.decode.metric("mooncake_vllm:bytes_total")
+    before = PULL_COUNTERS.read(hybrid.decode)
     async with http.post(
         f"{hybrid.decode.url}/v1/completions",
         json=body(hybrid.model, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=params),
     ) as resp:
         assert resp.status >= 400, await resp.text()
-    await eventually(
-        lambda: hybrid.decode.metric("mooncake_vllm:pull_failures_total") == failures0 + 1
-    )
-    assert hybrid.decode.metric("mooncake_vllm:bytes_total") == bytes0
+    moved = await pulls_since(hybrid.decode, before, 1)
+    assert (moved["pull_failures"], moved["bytes"]) == (1, 0)
     log = hybrid.decode.process.log_tail(200_000)
     assert "1 KV cache groups at the producer, 3 here" in log
     await eventually(lambda: nothing_held(hybrid.prefill))

@@ -71,6 +71,22 @@ def check_layerwise(vllm_config: VllmConfig) -> None:
         )
 
 
+def refuse_pipeline_parallel(vllm_config: VllmConfig) -> None:
+    """Pipeline parallel stops vLLM at startup, saying so: each PP stage holds its own layers,
+    and neither the side channel (one address per TP rank), the handoff nor ``/query`` names a
+    stage yet. Without this the second stage's worker failed binding the first's side channel
+    with a message about another engine on the host, and the engine lingered minutes."""
+    from mooncake_vllm.core.settings import ConfigError
+
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise ConfigError(
+            f"--pipeline-parallel-size {pp}: MooncakeConnector does not move KV between "
+            "pipeline-parallel engines yet; serve the prefill and the decode with "
+            "--pipeline-parallel-size 1 (tensor parallel is supported on either side)"
+        )
+
+
 def engine_kv_groups(kv_cache_config: KVCacheConfig | None, layerwise: bool):
     """The engine's KV cache groups (``core.kv_groups``); a model whose groups cannot be moved,
     or ``layerwise_handoff`` with more than one, stops vLLM at startup naming why."""
@@ -100,6 +116,7 @@ class MooncakeConnector(HalvesConnector, SupportsHMA):
 
     def _build_halves(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None):
         ktc = vllm_config.kv_transfer_config
+        refuse_pipeline_parallel(vllm_config)
         settings = load_settings(ktc.kv_connector_extra_config)
         probe = self._prepare_process(settings)
         parallel = vllm_config.parallel_config
