@@ -373,7 +373,8 @@ def test_pipeline_parallel_is_refused_at_startup_naming_the_flag(pp, ok):
     if ok:
         refuse_pipeline_parallel(vllm_config)
         return
-    with pytest.raises(ConfigError, match=rf"--pipeline-parallel-size {pp}: .* --pipeline-parallel-size 1"):
+    expected = rf"--pipeline-parallel-size {pp}: .* --pipeline-parallel-size 1"
+    with pytest.raises(ConfigError, match=expected):
         refuse_pipeline_parallel(vllm_config)
 
 
