@@ -4,6 +4,8 @@ which blocks it plans to fill, which handoffs it rejects, and what a finished pr
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import socket
 import threading
 import time
@@ -20,6 +22,7 @@ from harness.servers import free_port
 from mooncake_vllm.core.identity import compat_hash, engine_compat_hash, engine_kv_layout
 from mooncake_vllm.core.loads import MooncakeWorkerMeta
 from mooncake_vllm.core.planning import producer_rank_for
+from mooncake_vllm.core.settings import ConfigError
 from mooncake_vllm.p2p import protocol
 from mooncake_vllm.p2p.config import load_settings, resolve
 from mooncake_vllm.p2p.leases.client import MAX_READERS, RankLayout
@@ -347,6 +350,53 @@ def test_the_producer_answers_params_for_both_conventions(tmp_path):
         assert params["remote_bootstrap_addr"] == f"http://127.0.0.1:{boot}"
     finally:
         half.shutdown()
+
+
+@pytest.mark.parametrize("set_by", [None, "setting", "env"])
+def test_a_taken_bootstrap_port_stops_the_start_only_where_it_was_chosen(set_by, caplog):
+    """Upstream's default port taken by another producer on the host: this one starts without
+    a bootstrap and says so once, its handoffs naming none; a port that was set (the setting,
+    or vLLM's variable) and is taken still stops the start."""
+    from mooncake_vllm.p2p.bootstrap import BootstrapService
+    from mooncake_vllm.p2p.config import BOOTSTRAP_PORT_ENV
+
+    boot = free_port("127.0.0.1")
+    other = BootstrapService(producer_cfg_on(free_port_run(2), boot, "other"))
+    port = free_port_run(2)
+    extra = {"prefill_url": f"127.0.0.1:{port}"}
+    env = {BOOTSTRAP_PORT_ENV: str(boot)} if set_by == "env" else {}
+    if set_by == "setting":
+        extra["bootstrap_port"] = boot
+    cfg = resolve(load_settings(extra, env={}), "kv_producer", "prefill", 1, env=env)
+    if set_by is None:  # upstream's default, 8998, stands in for this free port
+        assert not cfg.bootstrap_port_set
+        cfg = dataclasses.replace(cfg, bootstrap_port=boot)
+    try:
+        if set_by is not None:
+            assert cfg.bootstrap_port_set
+            with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{boot}"):
+                SchedulerHalf(cfg, BLOCK, HASH)
+            return
+        with caplog.at_level(logging.WARNING):
+            half = SchedulerHalf(cfg, BLOCK, HASH)
+        try:
+            said = [r.getMessage() for r in caplog.records if "serves no bootstrap" in r.message]
+            assert len(said) == 1 and f"127.0.0.1:{boot}" in said[0], said
+            half.set_layouts({0: RankLayout("127.0.0.1:1", [protocol.MemSegment(0, 100, 100)], 0)})
+            req = request("p1", 300, {"do_remote_decode": True, "transfer_id": XFER},
+                          status=RequestStatus.FINISHED_STOPPED, computed=300)  # fmt: skip
+            held, params = half.request_finished(req, [5, 6, 7])
+            assert held and protocol.parse_handoff(params).remote_block_ids == [5, 6, 7]
+            assert "remote_bootstrap_addr" not in params
+        finally:
+            half.shutdown()
+    finally:
+        other.close()
+
+
+def producer_cfg_on(port: int, boot: int, engine_id: str):
+    settings = load_settings({"prefill_url": f"127.0.0.1:{port}", "bootstrap_port": boot}, env={})
+    return resolve(settings, "kv_producer", engine_id, 1)
 
 
 def test_a_decode_leg_of_upstreams_convention_becomes_a_pending_load(consumer):

@@ -146,6 +146,9 @@ class ConnectorConfig:
     base_port: int  # this engine's first port: the url's, after the DP ranks before it
     bootstrap_port: int = 0  # 0: none (a consumer, or turned off)
     bootstrap_host: str = ""  # where it listens: the engine's host unless configured
+    # False when the port is upstream's default (nothing set it): taken, the engine starts
+    # without a bootstrap service instead of refusing to (a second producer on one host).
+    bootstrap_port_set: bool = True
     # vLLM's data parallelism (``--data-parallel-size``): one engine core per DP rank, each with
     # its own connector. On one host the local ranks take consecutive port ranges from the url's
     # port (``2 * tp_size`` ports each); the first local rank serves the bootstrap, and the
@@ -265,7 +268,11 @@ def _bootstrap_address(
     if settings.bootstrap_server_address is not None:
         host, port = _host_port("bootstrap_server_address", settings.bootstrap_server_address)
         return {"bootstrap_port": port, "bootstrap_host": host}
-    return {"bootstrap_port": bootstrap_port(settings, env)}
+    port = bootstrap_port(settings, env)
+    chosen = settings.bootstrap_port is not None or bool(
+        (os.environ if env is None else env).get(BOOTSTRAP_PORT_ENV)
+    )
+    return {"bootstrap_port": port, "bootstrap_port_set": chosen}
 
 
 def bootstrap_port(settings: MooncakeSettings, env: Mapping[str, str] | None = None) -> int:

@@ -23,6 +23,7 @@ into fresh blocks, abort it — those blocks are not handed to another request.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -44,6 +45,7 @@ from mooncake_vllm.core.kv_groups import (
 )
 from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
 from mooncake_vllm.core.planning import REBLOCKABLE
+from mooncake_vllm.core.settings import ConfigError
 from mooncake_vllm.p2p.bootstrap import BootstrapRegistration, BootstrapService, bootstrap_url
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.client import LeaseService, RankLayout
@@ -133,6 +135,19 @@ class SchedulerHalf:
             if cfg.serves_bootstrap:
                 try:
                     self._bootstrap = BootstrapService(cfg)
+                except ConfigError as e:
+                    if cfg.bootstrap_port_set or cfg.dp_local_rank != 0:
+                        self._leases.close()
+                        raise
+                    # Upstream's default port, taken (another producer on this host): serve
+                    # without a bootstrap. Our proxy and the NIXL-style flow never ask one.
+                    logger.warning(
+                        "%s. This engine serves no bootstrap /query (orchestrators that read "
+                        "one, e.g. vLLM's router with --kv-connector mooncake, cannot use it); "
+                        "our proxy and handoffs in kv_transfer_params work as before",
+                        e,
+                    )
+                    self._cfg = cfg = dataclasses.replace(cfg, bootstrap_port=0)
                 except BaseException:
                     self._leases.close()
                     raise
