@@ -585,15 +585,34 @@ _DEATH_PIPE_MONITOR = "DeathPipeMonitor"
 
 
 def _engine_core_serving() -> bool:
-    """In a worker: whether the engine core has not begun to end it (its death pipe is open)."""
-    return any(t.name == _DEATH_PIPE_MONITOR for t in threading.enumerate())
+    """In a worker: whether the engine core has started (it asked the workers for the
+    connector's handshake, its last step before serving: ``arm_group_signal_hold``) and has not
+    begun to end it (its death pipe is open)."""
+    return _hold_armed.is_set() and any(
+        t.name == _DEATH_PIPE_MONITOR for t in threading.enumerate()
+    )
+
+
+# Set once the engine core has built its scheduler (and our scheduler half): before that, a
+# SIGTERM to a worker is its engine core failing to start (multiprocessing's exit terminates the
+# daemon workers, then joins them), and holding it would leave both waiting for ever.
+_hold_armed = threading.Event()
+
+
+def arm_group_signal_hold() -> None:
+    """In a worker: the engine core started (it asks for the KV connector's handshake metadata
+    right after it built its scheduler); from now on ``outlive_group_signal`` holds the first
+    group signal."""
+    _hold_armed.set()
 
 
 def outlive_group_signal() -> bool:
     """In a worker process of vLLM's multiprocessing executor: the first SIGTERM or SIGINT while
     the engine core still serves (it has not closed the worker's death pipe) is logged and
-    ignored; any other runs vLLM's handler (which exits the worker). Returns whether the
-    handlers were wrapped (not in another process kind, or off the main thread).
+    ignored; any other runs vLLM's handler (which exits the worker), and so does every signal
+    before the engine core finished starting (``arm_group_signal_hold``: an engine core that
+    fails to start terminates its workers and waits for them). Returns whether the handlers were
+    wrapped (not in another process kind, or off the main thread).
 
     Why: a signal to the whole process group (systemd's ``KillMode=control-group``, a terminal's
     Ctrl-C) reaches the API server, the engine core and the worker at once. The first two

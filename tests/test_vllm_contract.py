@@ -395,6 +395,7 @@ class WorkerProc:  # named as vLLM's, so its handler's qualified name is vLLM's
         signal.signal(signal.SIGTERM, signal_handler)
         signal.signal(signal.SIGINT, signal_handler)
         print(vllm_glue.outlive_group_signal(), flush=True)
+        vllm_glue.arm_group_signal_hold()  # the engine core started: it asked for handshakes
         os.kill(os.getpid(), signal.SIG%s)  # the group's signal: logged, ignored
         time.sleep(0.2)
         print("alive", flush=True)
@@ -437,6 +438,21 @@ def test_a_workers_signal_once_the_engine_core_ends_it_is_vllms():
     script = script.replace("signal.SIG%s", "signal.SIGTERM")
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == ["True"], done.stdout + done.stderr
+    assert done.returncode == 7, done.stderr
+    assert "keeps serving" not in done.stderr
+
+
+def test_a_workers_signal_before_the_engine_core_started_is_vllms():
+    """An engine core that fails to start (our scheduler half refused its config, after the
+    workers started) terminates its workers and joins them: the first SIGTERM exits the worker
+    through vLLM's handler, or both would wait for ever."""
+    import subprocess
+
+    script = _WORKER_SCRIPT.replace("        vllm_glue.arm_group_signal_hold()", "        pass")
+    done = subprocess.run(
+        [sys.executable, "-c", script % "TERM"], capture_output=True, text=True, timeout=60
     )
     assert done.stdout.split() == ["True"], done.stdout + done.stderr
     assert done.returncode == 7, done.stderr

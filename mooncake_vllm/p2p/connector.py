@@ -199,6 +199,8 @@ class MooncakeConnector(HalvesConnector, SupportsHMA):
         return
 
     def get_handshake_metadata(self) -> MooncakeHandshake | None:
+        # The engine core asks right after it built its scheduler: it has started.
+        vllm_glue.arm_group_signal_hold()
         if self._worker is None or self._worker.te_segment is None:
             return None
         return MooncakeHandshake(self._worker.te_segment, self._worker.segments, os.getpid())
