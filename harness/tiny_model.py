@@ -294,6 +294,61 @@ def build_tiny_model(out_dir: Path | str | None = None, spec: TinySpec | None = 
     return out
 
 
+def build_tiny_lora(
+    model_dir: Path | str, name: str, seed: int, rank: int = 8, scale: float = 0.5
+) -> Path:
+    """A random-weight LoRA adapter (PEFT's on-disk format: ``adapter_config.json`` and
+    ``adapter_model.safetensors``) on the attention projections of the tiny Llama at
+    ``model_dir``, cached beside it as ``<model>-lora-<name>-<seed>``. Its B matrices are drawn,
+    not zero as PEFT initialises them, so the adapter changes the answers (and the KV)."""
+    model_dir = Path(model_dir)
+    out = model_dir.parent / f"{model_dir.name}-lora-{name}-{seed}"
+    if (out / _COMPLETE_MARKER).exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    kv_out = config["num_key_value_heads"] * head_dim
+    outs = {"q_proj": hidden, "k_proj": kv_out, "v_proj": kv_out, "o_proj": hidden}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module, out_dim in outs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = torch.randn(rank, hidden, generator=gen) * scale / hidden**0.5
+            b = torch.randn(out_dim, rank, generator=gen) * scale / rank**0.5
+            tensors[f"{key}.lora_A.weight"] = a.contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.contiguous()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"))
+        adapter = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": str(model_dir),
+            "r": rank,
+            "lora_alpha": rank,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "target_modules": sorted(outs),
+            "fan_in_fan_out": False,
+        }
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter, indent=2, sort_keys=True))
+        (tmp / _COMPLETE_MARKER).write_text("")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except FileExistsError:
+        pass  # another process won the race with an identical build
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     # --mla picks the spec first: the two specs' options share names but not defaults.
     pick = argparse.ArgumentParser(add_help=False)
