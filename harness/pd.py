@@ -153,6 +153,16 @@ def start_many(
     return started
 
 
+def stop_servers(started: Sequence[Any], print_logs: bool) -> None:
+    """Stop servers last-started first, printing each one's log tail first when
+    ``print_logs`` (a module's tests failed)."""
+    for srv in reversed(started):
+        if print_logs:
+            proc = srv.process
+            print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
+        srv.stop()
+
+
 def start_with_master(model: str, master: MasterServer, specs: Sequence[ServerSpec]):
     """``start_many`` for a pool's servers: if they do not all start, the master stops too."""
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness import servers
+from harness.pd import stop_servers
 from harness.tiny_model import build_tiny_model
 from mooncake_vllm.core.auth import new_secret
 
@@ -55,12 +56,7 @@ def module_servers(request):
         return srv
 
     yield start
-    failed = request.session.testsfailed > 0
-    for srv in reversed(started):
-        if failed:
-            proc = srv.process
-            print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
-        srv.stop()
+    stop_servers(started, print_logs=request.session.testsfailed > 0)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -36,6 +36,7 @@ from harness.pd import (
     pulls_since,
     reference_spec,
     start_many,
+    stop_servers,
     tokens_by_transfer,
     two_legs,
 )
@@ -108,12 +109,7 @@ def feat(tmp_path_factory, request):
     ]
     started = start_many(model, specs)
     yield Servers(model, adapters, started)
-    if request.session.testsfailed:
-        for srv in started:
-            proc = srv.process
-            print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
-    for srv in reversed(started):
-        srv.stop()
+    stop_servers(started, print_logs=request.session.testsfailed > 0)
 
 
 async def through_the_pair(http, plain, prefill, decode, batch, stream, bytes_per_value):

@@ -28,6 +28,7 @@ from harness.pd import (
     pulls_since,
     reference_spec,
     start_many,
+    stop_servers,
     tokens_by_transfer,
     two_legs,
 )
@@ -90,12 +91,7 @@ def hybrid(tmp_path_factory, request):
     ]
     started = start_many(model, specs)
     yield Pair(model, *started)
-    if request.session.testsfailed:
-        for srv in started:
-            proc = srv.process
-            print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
-    for srv in reversed(started):
-        srv.stop()
+    stop_servers(started, print_logs=request.session.testsfailed > 0)
 
 
 def test_both_engines_keep_the_hybrid_allocator_and_three_groups(hybrid):

@@ -41,6 +41,7 @@ from harness.pd import (
     settles_at,
     start_many,
     start_with_master,
+    stop_servers,
     tokens_by_transfer,
     two_legs,
 )
@@ -99,12 +100,7 @@ def mla(cluster, tmp_path_factory, request):
     ]
     started = start_many(model, specs)
     yield MlaPair(model, *started)
-    if request.session.testsfailed:
-        for srv in started:
-            proc = srv.process
-            print(f"\n===== log of {proc.name} ({proc.log_path}) =====\n{proc.log_tail()}")
-    for srv in reversed(started):
-        srv.stop()
+    stop_servers(started, print_logs=request.session.testsfailed > 0)
 
 
 def log_since(srv, offset: int) -> str:
