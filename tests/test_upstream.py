@@ -21,6 +21,9 @@ from mooncake_vllm.p2p.config import bootstrap_port, load_settings, resolve
 from mooncake_vllm.p2p.upstream import BootstrapError, BootstrapResolver
 
 XFER = f"xfer-{uuid.uuid4()}"
+# A version-7 UUID (RFC 9562: 48-bit milliseconds, version 7, 74 random bits); Python 3.11 has
+# no uuid.uuid7.
+UUID7 = "01938e4f-7a2b-7c3d-9e4f-5a6b7c8d9e0f"
 
 
 @pytest.mark.parametrize(
@@ -30,6 +33,8 @@ XFER = f"xfer-{uuid.uuid4()}"
         (XFER, True),  # vLLM's proxy, llm-d
         (str(uuid.uuid4()), True),  # Dynamo's
         (str(uuid.uuid1()), False),
+        (UUID7, True),  # time-ordered, 74 random bits
+        (f"xfer-{UUID7}", True),
         (f"xfer-{uuid.uuid4()}".upper(), False),
         (f"xfer-{uuid.uuid1()}", False),  # time-based: guessable
         ("xfer-" + "0" * 36, False),

@@ -116,15 +116,17 @@ _HEX = frozenset("0123456789abcdef")
 # form (its mooncake proxy, llm-d), or the UUID alone (Dynamo's ``str(uuid.uuid4())``); 122
 # random bits.
 _UPSTREAM_ID = re.compile(
-    r"(xfer-)?[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+    r"(xfer-)?[0-9a-f]{8}-[0-9a-f]{4}-[47][0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
 )
 
 
 def is_transfer_id(value: object) -> bool:
     """The only transfer ids a producer takes from a client, so that a lease's name is never
     guessable: 128 random bits in lowercase hex (our proxy's ``--dispatch concurrent``), or
-    upstream's ``xfer-<uuid4>`` or ``<uuid4>``. The producer also never takes one twice
-    (``SchedulerHalf._new_transfer_id``)."""
+    upstream's ``xfer-<uuid>`` or ``<uuid>`` of version 4 (122 random bits) or 7 (74 random
+    bits after a millisecond clock). Not a time-based version 1, nor any other suffix: an id a
+    stranger can guess names a lease the stranger can take first. The producer also never
+    takes one twice (``SchedulerHalf._new_transfer_id``)."""
     if not isinstance(value, str):
         return False
     if len(value) == 32:
@@ -141,7 +143,7 @@ def parse_pending(params: dict[str, Any]) -> PendingHandoff:
     if not is_transfer_id(h.transfer_id):
         raise HandoffError(
             "a pending handoff's transfer_id must be 32 lowercase hex digits or a random UUID "
-            "('xfer-' before it or not)"
+            "of version 4 or 7 ('xfer-' before it or not)"
         )
     if not (h.side_channel_host and h.side_channel_ports):
         raise HandoffError("a pending handoff names the producer's side channel")

@@ -84,8 +84,8 @@ def to_pending(params: dict[str, Any]) -> PendingHandoff:
     addr = params.get("remote_bootstrap_addr")
     if not is_transfer_id(transfer_id):
         raise HandoffError(
-            f"transfer_id {transfer_id!r} is not one a producer takes: a random UUID, 'xfer-' "
-            "before it or not (upstream's), or 32 lowercase hex digits"
+            f"transfer_id {transfer_id!r} is not one a producer takes: a random UUID of "
+            "version 4 or 7, 'xfer-' before it or not (upstream's), or 32 lowercase hex digits"
         )
     if not isinstance(engine_id, str) or not engine_id:
         raise HandoffError(f"remote_engine_id {engine_id!r} must name the prefill's engine")
