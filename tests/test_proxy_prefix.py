@@ -60,7 +60,42 @@ def test_prefix_key(first, second, same):
 
 def test_prefix_key_is_bounded_and_absent_without_a_prompt():
     assert len(prefix.prefix_key({"prompt": "y" * 10_000})) == prefix.PREFIX_KEY_CHARS
+    named = {"prompt": "y" * 10_000, "model": "m" * 5000, "cache_salt": "s" * 5000}
+    assert len(prefix.prefix_key(named)) == prefix.PREFIX_KEY_CHARS + 16
     assert prefix.prefix_key({"model": "m"}) is None
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "same"),
+    [
+        # The model a request names: two LoRA adapters (or a base model and an adapter) keep
+        # the same prompt's KV apart in vLLM's prefix cache.
+        ({"model": "ad-a", "prompt": "p" * 300}, {"model": "ad-a", "prompt": "p" * 300}, True),
+        ({"model": "ad-a", "prompt": "p" * 300}, {"model": "ad-b", "prompt": "p" * 300}, False),
+        # A cache_salt keeps one tenant's KV from another's; none is not a salt.
+        ({"prompt": "p", "cache_salt": "t1"}, {"prompt": "p", "cache_salt": "t1"}, True),
+        ({"prompt": "p", "cache_salt": "t1"}, {"prompt": "p", "cache_salt": "t2"}, False),
+        ({"prompt": "p", "cache_salt": "t1"}, {"prompt": "p"}, False),
+        ({"prompt": "p", "cache_salt": ""}, {"prompt": "p"}, True),
+        # An image is part of the prompt, not left out with the text parts only.
+        (
+            {"messages": [{"role": "user", "content": [_image("http://x/1.png")]}]},
+            {"messages": [{"role": "user", "content": [_image("http://x/2.png")]}]},
+            False,
+        ),
+        (
+            {"messages": [{"role": "user", "content": [_image("http://x/1.png")]}]},
+            {"messages": [{"role": "user", "content": [_image("http://x/1.png")]}]},
+            True,
+        ),
+    ],
+)
+def test_prefix_key_carries_what_vllms_prefix_cache_keys_by(first, second, same):
+    assert (prefix.prefix_key(first) == prefix.prefix_key(second)) is same
 
 
 # ---- the ring -----------------------------------------------------------------------------------

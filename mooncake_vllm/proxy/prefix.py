@@ -8,7 +8,8 @@ makes those hits happen; round robin spreads them over all prefills, each comput
 Two pure functions, I/O-free and table-tested:
 
 - ``prefix_key``: the leading ``PREFIX_KEY_CHARS`` characters of the prompt (or leading
-  ``PREFIX_KEY_TOKENS`` token ids), as bytes;
+  ``PREFIX_KEY_TOKENS`` token ids), as bytes, after a digest of the model the request names
+  and its ``cache_salt`` (a LoRA adapter's or another tenant's KV is not reused);
 - ``choose``: consistent hashing with bounded loads. Each backend owns ``VIRTUAL_NODES`` points
   on a hash ring; a key goes to the first backend clockwise from its hash that is eligible
   (healthy, not already tried) and has fewer than ``capacity`` requests in flight, where
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,24 +46,52 @@ DEFAULT_LOAD_FACTOR = 2.0
 
 
 def _text_of(content: Any) -> str:
-    """The text of a chat message's content: a string, or the text parts of a list of parts."""
+    """The text of a chat message's content: a string, or the text parts of a list of parts,
+    each other part (an image, audio) standing as a digest of itself: vLLM's prefix cache keys
+    the KV of an image's placeholder tokens by the image, so two images are two prompts."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            part.get("text", "")
-            for part in content
-            if isinstance(part, dict) and isinstance(part.get("text"), str)
-        )
+        pieces = []
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            text = part.get("text")
+            if isinstance(text, str):
+                pieces.append(text)
+            else:
+                canonical = json.dumps(part, sort_keys=True, default=str).encode()
+                pieces.append(f"\x1d{hashlib.blake2b(canonical, digest_size=8).hexdigest()}")
+        return "".join(pieces)
     return ""
 
 
+def _identity(body: Mapping[str, Any]) -> bytes:
+    """What keys a prompt's KV besides its text, as vLLM's prefix cache keys it: the model the
+    request names (a LoRA adapter is asked for by its name) and its ``cache_salt``. Empty for a
+    body naming neither; else a 16-byte digest, so the key stays bounded."""
+    model, salt = body.get("model"), body.get("cache_salt")
+    words = [
+        f"model\x1f{model}" if isinstance(model, str) else "",
+        f"salt\x1f{salt}" if isinstance(salt, str) and salt else "",
+    ]
+    if not any(words):
+        return b""
+    return hashlib.blake2b("\x1e".join(words).encode(), digest_size=16).digest()
+
+
 def prefix_key(body: Mapping[str, Any], chars: int = PREFIX_KEY_CHARS) -> bytes | None:
-    """The routing key of a validated completion or chat body, or None when it has no prompt.
+    """The routing key of a validated completion or chat body, or None when it has no prompt:
+    the model and ``cache_salt`` (``_identity``, 16 bytes), then the prompt's leading part.
 
     Chat messages are joined as ``role\\x1ftext\\x1e`` so that moving text from one message to
     the next changes the key (vLLM's chat template would render them differently, too).
     """
+    key = _prompt_key(body, chars)
+    return None if key is None else _identity(body) + key
+
+
+def _prompt_key(body: Mapping[str, Any], chars: int) -> bytes | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch: route by its first prompt
