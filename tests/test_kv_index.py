@@ -183,6 +183,43 @@ def test_prompt_token_ids(body, expected):
     assert kv_index.prompt_token_ids(body) == expected
 
 
+@pytest.mark.parametrize(
+    ("event_extra", "ask", "expected"),
+    [
+        # A LoRA adapter's blocks answer a request naming that adapter only.
+        ({"lora_name": "ad-a", "extra_keys": [["ad-a"], ["ad-a"]]}, ("ad-a", None), 8),
+        ({"lora_name": "ad-a", "extra_keys": [["ad-a"], ["ad-a"]]}, ("ad-b", None), 0),
+        ({"lora_name": "ad-a", "extra_keys": [["ad-a"], ["ad-a"]]}, ("base", None), 0),
+        # The base model's blocks answer any model name but an adapter seen in events.
+        ({}, ("base", None), 8),
+        ({}, ("an-alias", None), 8),
+        ({}, ("ad-a", None), 0),
+        # A cache_salt (on the prompt's first block) keeps its blocks to requests with it.
+        ({"extra_keys": [["tenant-1"], None]}, ("base", "tenant-1"), 8),
+        ({"extra_keys": [["tenant-1"], None]}, ("base", "tenant-2"), 0),
+        ({"extra_keys": [["tenant-1"], None]}, ("base", None), 0),
+        ({}, ("base", "tenant-1"), 0),
+        # Both, and a multimodal pair before the salt.
+        ({"lora_name": "ad-a", "extra_keys": [["ad-a", ["img", 0], "t1"], ["ad-a"]]},
+         ("ad-a", "t1"), 8),
+        ({"lora_name": "ad-a", "extra_keys": [["ad-a", ["img", 0], "t1"], ["ad-a"]]},
+         ("ad-a", None), 0),
+    ],
+)  # fmt: skip
+def test_an_adapters_or_a_salts_blocks_answer_only_requests_with_it(event_extra, ask, expected):
+    index = KvIndex()
+    if event_extra.get("lora_name") != "ad-a":  # "ad-a" is an adapter this engine serves
+        index.apply(P1, stored(OTHER[:4], [9], lora_name="ad-a"))
+    index.apply(P0, stored(PROMPT[:8], [1, 2], **event_extra))
+    assert index.matched_tokens(PROMPT, [P0], *ask) == {P0: expected}
+
+
+def test_a_request_names_its_model_and_salt_for_kv_routing():
+    body = {"model": "ad-a", "cache_salt": "t1", "prompt": [1, 2]}
+    assert kv_index.prompt_identity(body) == ("ad-a", "t1")
+    assert kv_index.prompt_identity({"model": 3, "cache_salt": ["x"]}) == (None, None)
+
+
 # ---- the pool and the subscription --------------------------------------------------------------
 
 

@@ -67,6 +67,8 @@ class RequestContext:
     # The prompt's token ids when the client sent ids (``kv_index.prompt_token_ids``): both
     # pools match them against their engines' caches under --policy kv.
     prompt_token_ids: Sequence[int] | None = None
+    # The model the request names and its cache_salt: what keys its KV besides the tokens.
+    prompt_identity: tuple[str | None, str | None] = (None, None)
     # The client's admission under --client-* limits; a streamed answer releases it when it ends.
     client_slot: ClientSlot | None = None
 
@@ -363,6 +365,7 @@ def with_route_keys(ctx: RequestContext, body: Mapping[str, Any], policy: Policy
             ctx,
             prefix_key=prefix.prefix_key(body),
             prompt_token_ids=kv_index.prompt_token_ids(body),
+            prompt_identity=kv_index.prompt_identity(body),
         )
     return ctx
 
@@ -378,6 +381,7 @@ def _pick(
             exclude=tried,
             key=ctx.prefix_key if by_prompt else None,
             token_ids=ctx.prompt_token_ids if by_prompt else None,
+            identity=ctx.prompt_identity,
         )
     except NoHealthyBackend as e:
         if last is not None:  # the pool ran out while failing over: report the real cause

@@ -51,6 +51,11 @@ ROOT_KEY = 0
 # tokens); at ~250 B a hash this caps an engine's part near 256 MiB.
 MAX_BLOCKS_PER_ENGINE = 1 << 20
 
+# The longest LoRA name or cache_salt an identity takes, and how many adapter names the index
+# remembers having seen (a request naming one of them is matched against that adapter's chain).
+MAX_NAME = 1024
+MAX_LORA_NAMES = 4096
+
 # ---- the events, as vLLM publishes them (vllm.distributed.kv_events) ---------------------------
 # A block hash: vLLM's ExternalBlockHash.
 BlockHash = bytes | int
@@ -66,6 +71,11 @@ class BlockStored(msgspec.Struct, tag=True, kw_only=True, frozen=True):
     token_ids: list[TokenId]
     block_size: Annotated[int, msgspec.Meta(gt=0)]
     group_idx: int | None = None
+    # What keys the blocks besides their tokens (vLLM >= 0.32): the LoRA adapter's name, and per
+    # block the untagged extra keys of its hash (the adapter's name if any, then multimodal
+    # (identifier, offset) pairs, then the request's cache_salt on a prompt's first block).
+    lora_name: Annotated[str, msgspec.Meta(max_length=MAX_NAME)] | None = None
+    extra_keys: list[list[Any] | None] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, kw_only=True, frozen=True):
@@ -79,7 +89,7 @@ class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True):
     """The engine's prefix cache was reset."""
 
 
-# vLLM's other fields (medium, lora_name, extra_keys, ...) are ignored; an event of another
+# vLLM's other fields (medium, ...) are ignored; an event of another
 # type is a ``BadEvent`` with ``reason`` "unknown_type".
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 KNOWN_EVENT_TYPES = frozenset(t.__name__ for t in (BlockStored, BlockRemoved, AllBlocksCleared))
@@ -134,6 +144,26 @@ def _chain(parent: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
+def root_key(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """The "parent" of a prompt's first block: ``ROOT_KEY``, or for a prompt of a LoRA adapter
+    or with a ``cache_salt`` (which vLLM's prefix cache keys apart) a key of its own."""
+    if not lora_name and not cache_salt:
+        return ROOT_KEY
+    data = f"lora\x1f{lora_name or ''}\x1esalt\x1f{cache_salt or ''}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def _salt_of(event: BlockStored) -> str | None:
+    """The cache_salt among the first block's extra keys: the first string after the adapter's
+    name (multimodal entries are pairs)."""
+    keys = event.extra_keys[0] if event.extra_keys else None
+    if not keys:
+        return None
+    rest = keys[1:] if event.lora_name and keys and keys[0] == event.lora_name else keys
+    salt = next((k for k in rest if isinstance(k, str)), None)
+    return salt[:MAX_NAME] if salt else None
+
+
 def block_keys(token_ids: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
     """The chained keys of the full blocks of ``token_ids`` (a trailing partial block has none:
     vLLM caches full blocks only). ``parent``: the key of the block before the first one."""
@@ -184,6 +214,8 @@ class KvIndex:
             raise ValueError(f"max_blocks_per_engine={max_blocks_per_engine}: must be > 0")
         self.engines: dict[str, EngineCache] = {}
         self.max_blocks_per_engine = max_blocks_per_engine
+        # Adapter names seen in events: a request's model that is one of them asks for its KV.
+        self.lora_names: dict[str, None] = {}
 
     def engine(self, url: str) -> EngineCache:
         return self.engines.setdefault(url, EngineCache())
@@ -223,8 +255,12 @@ class KvIndex:
             cache.block_size = block_size
         elif cache.block_size != block_size:
             return
+        if event.lora_name:
+            self.lora_names[event.lora_name] = None
+            while len(self.lora_names) > MAX_LORA_NAMES:
+                del self.lora_names[next(iter(self.lora_names))]
         if event.parent_block_hash is None:
-            parent = ROOT_KEY
+            parent = root_key(event.lora_name, _salt_of(event))
         else:
             known = cache.key_of.get(event.parent_block_hash)
             if known is None:
@@ -242,8 +278,18 @@ class KvIndex:
             cache.forget(next(iter(cache.key_of)))
             cache.evicted_blocks += 1
 
-    def matched_tokens(self, token_ids: Sequence[int], urls: Iterable[str]) -> dict[str, int]:
-        """Per URL, how many leading tokens of ``token_ids`` its cache holds (whole blocks)."""
+    def matched_tokens(
+        self,
+        token_ids: Sequence[int],
+        urls: Iterable[str],
+        model: str | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, int]:
+        """Per URL, how many leading tokens of ``token_ids`` its cache holds (whole blocks),
+        for a request naming ``model`` (an adapter, if the index has seen its name in an event)
+        with ``cache_salt``."""
+        lora = model if model in self.lora_names else None
+        root = root_key(lora, cache_salt[:MAX_NAME] if cache_salt else None)
         keys_by_size: dict[int, list[int]] = {}
         out: dict[str, int] = {}
         for url in urls:
@@ -254,7 +300,7 @@ class KvIndex:
             size = cache.block_size
             keys = keys_by_size.get(size)
             if keys is None:
-                keys = keys_by_size[size] = block_keys(token_ids, size)
+                keys = keys_by_size[size] = block_keys(token_ids, size, root)
             run = 0
             for key in keys:
                 if key not in cache.held:
@@ -348,3 +394,9 @@ def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return prompt
     return None
+
+
+def prompt_identity(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The model ``body`` names and its ``cache_salt`` (None where absent or not a string)."""
+    model, salt = body.get("model"), body.get("cache_salt")
+    return (model if isinstance(model, str) else None, salt if isinstance(salt, str) else None)

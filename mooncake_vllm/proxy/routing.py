@@ -162,6 +162,7 @@ class BackendPool:
         exclude: Iterable[Backend] = (),
         key: bytes | None = None,
         token_ids: Sequence[int] | None = None,
+        identity: tuple[str | None, str | None] = (None, None),
     ) -> Backend:
         """The backend for the next request; raises NoHealthyBackend when there is none.
 
@@ -169,8 +170,9 @@ class BackendPool:
         the healthy backend with the fewest requests in flight, ties going round robin. Prefix
         takes the backend owning ``key`` (``prefix.prefix_key``) on the hash ring, bounded by
         load (``prefix.choose``); without a key it is least outstanding. KV takes the backend
-        whose cache holds the longest run of ``token_ids`` (``kv_index.choose``), as prefix when
-        none holds a block of it or the prompt's ids are not known.
+        whose cache holds the longest run of ``token_ids`` (``kv_index.choose``) under the
+        request's ``identity`` (the model it names and its cache_salt), as prefix when none
+        holds a block of it or the prompt's ids are not known.
         """
         excluded = set(exclude)
         count = len(self.backends)
@@ -188,7 +190,7 @@ class BackendPool:
             in_flight = {url: self.backends[i].in_flight for url, i in by_url.items()}
             matched: dict[str, int] = {}
             if self.cache is not None and token_ids is not None:
-                matched = self.cache.matched_tokens(token_ids, by_url)
+                matched = self.cache.matched_tokens(token_ids, by_url, *identity)
             url = kv_index.choose(
                 matched,
                 in_flight,
