@@ -216,8 +216,8 @@ def test_an_adapters_or_a_salts_blocks_answer_only_requests_with_it(event_extra,
 
 def test_a_request_names_its_model_and_salt_for_kv_routing():
     body = {"model": "ad-a", "cache_salt": "t1", "prompt": [1, 2]}
-    assert kv_index.prompt_identity(body) == ("ad-a", "t1")
-    assert kv_index.prompt_identity({"model": 3, "cache_salt": ["x"]}) == (None, None)
+    assert prefix.prompt_identity(body) == ("ad-a", "t1")
+    assert prefix.prompt_identity({"model": 3, "cache_salt": ["x"]}) == (None, None)
 
 
 # ---- the pool and the subscription --------------------------------------------------------------

@@ -365,7 +365,7 @@ def with_route_keys(ctx: RequestContext, body: Mapping[str, Any], policy: Policy
             ctx,
             prefix_key=prefix.prefix_key(body),
             prompt_token_ids=kv_index.prompt_token_ids(body),
-            prompt_identity=kv_index.prompt_identity(body),
+            prompt_identity=prefix.prompt_identity(body),
         )
     return ctx
 

@@ -394,9 +394,3 @@ def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return prompt
     return None
-
-
-def prompt_identity(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
-    """The model ``body`` names and its ``cache_salt`` (None where absent or not a string)."""
-    model, salt = body.get("model"), body.get("cache_salt")
-    return (model if isinstance(model, str) else None, salt if isinstance(salt, str) else None)

@@ -66,14 +66,21 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def _identity(body: Mapping[str, Any]) -> bytes:
-    """What keys a prompt's KV besides its text, as vLLM's prefix cache keys it: the model the
-    request names (a LoRA adapter is asked for by its name) and its ``cache_salt``. Empty for a
-    body naming neither; else a 16-byte digest, so the key stays bounded."""
+def prompt_identity(body: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The model ``body`` names and its ``cache_salt`` (None where absent or not a string):
+    what keys a prompt's KV besides its tokens, as vLLM's prefix cache keys it (a LoRA adapter
+    is asked for by its name)."""
     model, salt = body.get("model"), body.get("cache_salt")
+    return (model if isinstance(model, str) else None, salt if isinstance(salt, str) else None)
+
+
+def _identity(body: Mapping[str, Any]) -> bytes:
+    """``prompt_identity`` as part of a routing key: empty for a body naming neither, else a
+    16-byte digest, so the key stays bounded."""
+    model, salt = prompt_identity(body)
     words = [
-        f"model\x1f{model}" if isinstance(model, str) else "",
-        f"salt\x1f{salt}" if isinstance(salt, str) and salt else "",
+        f"model\x1f{model}" if model is not None else "",
+        f"salt\x1f{salt}" if salt else "",
     ]
     if not any(words):
         return b""
