@@ -263,14 +263,15 @@ async def two_legs(
 
 @dataclass(frozen=True)
 class Counters:
-    """A set of our counters, ``mooncake_vllm:<prefix><name>_total``, by short name."""
+    """A set of our counters, ``vllm:mooncake_<prefix><name>_total``, by short name (the
+    ``mooncake_vllm:`` alias is read by tests that name it)."""
 
     prefix: str
     names: tuple[str, ...]
 
     def read(self, server: VllmServer) -> dict[str, float]:
         """Each counter's value on ``server`` now (0 for one not counted yet)."""
-        names = {n: f"mooncake_vllm:{self.prefix}{n}_total" for n in self.names}
+        names = {n: f"vllm:mooncake_{self.prefix}{n}_total" for n in self.names}
         totals = server.metrics(names.values())
         return {n: totals.get(name, 0.0) for n, name in names.items()}
 

@@ -21,6 +21,7 @@ from harness.pd import (
     greedy_body,
     two_legs,
 )
+from harness.servers import metric_samples
 
 pytestmark = pytest.mark.servers
 
@@ -143,6 +144,18 @@ async def test_outputs_equal_plain_and_prompts_arrive_by_transfer(pd, http, stre
     assert pd.decode.metric("mooncake_vllm:bytes_total") > bytes0
     assert pd.decode.metric("mooncake_vllm:pull_failures_total") == failures0
     await eventually(lambda: nothing_held(pd.prefill))
+    for srv in (pd.prefill, pd.decode):  # vLLM's connector naming, and the alias alike
+        assert series_by_prefix(srv, "vllm:mooncake_") == series_by_prefix(srv, "mooncake_vllm:")
+
+
+def series_by_prefix(srv, prefix: str) -> dict[str, float]:
+    """Our samples on ``srv``'s ``/metrics`` under ``prefix``, keyed without it (``_created``
+    timestamps left out: the two names are created a moment apart)."""
+    return {
+        f"{s.name.removeprefix(prefix)}{sorted(s.labels.items())}": s.value
+        for s in metric_samples(srv.url + "/metrics")
+        if s.name.startswith(prefix) and not s.name.endswith("_created")
+    }
 
 
 async def test_prefill_ending_on_a_stop_token_still_hands_over(pd, http):

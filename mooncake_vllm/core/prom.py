@@ -1,6 +1,11 @@
 """The stats both connectors share: a keyed stats dict vLLM aggregates across workers and
 intervals, and its Prometheus series per engine on vLLM's own ``/metrics`` (counters add,
-histograms observe each sample, gauges keep the newest)."""
+histograms observe each sample, gauges keep the newest).
+
+Each series is named as vLLM names its connectors' (``vllm:mooncake_<name>``, as NIXL's are
+``vllm:nixl_<name>``), which tools that pass on only ``vllm:*`` series (Dynamo's worker
+``/metrics``) keep, and under this package's first name, ``mooncake_vllm:<name>``, an alias
+kept for one release (docs/configuration.md, "Metrics")."""
 
 from __future__ import annotations
 
@@ -59,6 +64,35 @@ class KeyedStats(KVConnectorStats):
         )
 
 
+OLD_PREFIX, PREFIX = "mooncake_vllm:", "vllm:mooncake_"
+
+
+def vllm_name(name: str) -> str:
+    """``mooncake_vllm:<name>`` as vLLM names a connector's series: ``vllm:mooncake_<name>``."""
+    return PREFIX + name.removeprefix(OLD_PREFIX)
+
+
+class _Aliased:
+    """One engine's child of a series and of its alias: every update goes to both."""
+
+    __slots__ = ("_children",)
+
+    def __init__(self, *children: Any) -> None:
+        self._children = children
+
+    def inc(self, amount: float = 1) -> None:
+        for child in self._children:
+            child.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for child in self._children:
+            child.observe(value)
+
+    def set(self, value: float) -> None:
+        for child in self._children:
+            child.set(value)
+
+
 class ConnectorPromMetrics(KVConnectorPromMetrics):
     """Subclasses fill ``_counters``, ``_histograms`` and ``_gauges`` (stats key → per-engine
     series) with ``per_engine``; ``observe`` is the same for all."""
@@ -71,8 +105,12 @@ class ConnectorPromMetrics(KVConnectorPromMetrics):
         self._gauges: dict[str, dict[int, Any]] = {}
 
     def per_engine(self, cls, name: str, doc: str, **kw) -> dict[int, Any]:
-        metric = cls(name=name, documentation=doc, labelnames=self._labelnames, **kw)
-        return {i: metric.labels(*v) for i, v in self._labelvalues.items()}
+        """``name`` (``mooncake_vllm:<name>``) registered as ``vllm:mooncake_<name>`` and under
+        ``name``, its alias; per engine, one child that updates both."""
+        new = cls(name=vllm_name(name), documentation=doc, labelnames=self._labelnames, **kw)
+        old = cls(name=name, documentation=f"{doc} (alias of {vllm_name(name)})",
+                  labelnames=self._labelnames, **kw)  # fmt: skip
+        return {i: _Aliased(new.labels(*v), old.labels(*v)) for i, v in self._labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, metrics in self._counters.items():
