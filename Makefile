@@ -3,8 +3,8 @@ VENV ?= $(or $(MOONCAKE_VLLM_VENV),$(HOME)/.cache/mooncake-vllm/venv)
 PY := $(VENV)/bin/python
 export MOONCAKE_VLLM_VENV := $(VENV)
 
-.PHONY: setup model test test-long test-unit test-drain test-netns test-ray demo demo-pool lint format bench \
-	soak
+.PHONY: setup model test test-long test-unit test-drain test-netns test-ray test-router demo demo-pool lint \
+	format bench soak
 
 setup:
 	@bash scripts/setup.sh
@@ -41,6 +41,14 @@ RAY_VENV ?= $(HOME)/.cache/mooncake-vllm/ray-venv
 test-ray: setup
 	@bash scripts/setup_ray.sh "$(RAY_VENV)"
 	$(RAY_VENV)/bin/python -m pytest -v -ra -s tests/test_ray_serve_e2e.py $(PYTEST_ARGS)
+
+# vLLM's Rust router (vllm-router 0.1.17, its own venv) in front of the README's pair and a 2P2D:
+# mooncake and nixl modes, kv_aware on KV events, a prefill killed under load (~5 min; CI runs it).
+ROUTER_VENV ?= $(HOME)/.cache/mooncake-vllm/router-venv
+test-router: setup
+	@bash scripts/setup_router.sh "$(ROUTER_VENV)"
+	MOONCAKE_VLLM_ROUTER=$(ROUTER_VENV)/bin/vllm-router \
+		$(PY) -m pytest -v -ra -s --durations=10 tests/test_router_e2e.py $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m harness.demo
