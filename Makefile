@@ -3,7 +3,7 @@ VENV ?= $(or $(MOONCAKE_VLLM_VENV),$(HOME)/.cache/mooncake-vllm/venv)
 PY := $(VENV)/bin/python
 export MOONCAKE_VLLM_VENV := $(VENV)
 
-.PHONY: setup model test test-long test-unit test-drain test-netns test-ray test-router demo demo-pool lint \
+.PHONY: setup model test test-long test-unit test-drain test-netns test-ray test-router test-dynamo demo demo-pool lint \
 	format bench soak
 
 setup:
@@ -49,6 +49,13 @@ test-router: setup
 	@bash scripts/setup_router.sh "$(ROUTER_VENV)"
 	MOONCAKE_VLLM_ROUTER=$(ROUTER_VENV)/bin/vllm-router \
 		$(PY) -m pytest -v -ra -s --durations=10 tests/test_router_e2e.py $(PYTEST_ARGS)
+
+# NVIDIA Dynamo 1.6.1's frontend and vLLM workers serving our connector: 1P1D, 2P2D round robin and
+# KV router, a prefill killed (its own venv beside the shared one; ~4 min; CI runs it).
+DYNAMO_VENV ?= $(HOME)/.cache/mooncake-vllm/dynamo-venv
+test-dynamo: setup
+	@bash scripts/setup_dynamo.sh "$(DYNAMO_VENV)" "$(VENV)"
+	$(DYNAMO_VENV)/bin/python -m pytest -v -ra -s --durations=10 tests/test_dynamo_e2e.py $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m harness.demo
