@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export MOONCAKE_VLLM_VENV := $(VENV)
 
 .PHONY: setup model test test-long test-unit test-drain test-netns test-ray test-router test-dynamo demo demo-pool lint \
-	format bench soak
+	format bench bench-aiperf soak
 
 setup:
 	@bash scripts/setup.sh
@@ -78,6 +78,15 @@ bench: setup
 	$(PY) -m benchmarks.pool $(BENCH_ARGS)
 	$(PY) -m benchmarks.beside $(BENCH_ARGS)
 	$(PY) -m benchmarks.growth $(BENCH_ARGS)
+
+# AIPerf 0.13 replaying the committed trace slice against plain vLLM, our proxy + pair and vLLM's
+# router + the same pair, then short-request latency at c=1 and c=8 (~15 min; docs/benchmarks.md).
+AIPERF_VENV ?= $(HOME)/.cache/mooncake-vllm/aiperf-venv
+bench-aiperf: setup
+	@bash scripts/setup_aiperf.sh "$(AIPERF_VENV)"
+	@bash scripts/setup_router.sh "$(ROUTER_VENV)"
+	MOONCAKE_VLLM_AIPERF=$(AIPERF_VENV)/bin/aiperf MOONCAKE_VLLM_ROUTER=$(ROUTER_VENV)/bin/vllm-router \
+		$(PY) -m benchmarks.aiperf_trace $(BENCH_ARGS)
 
 # An hour of the conversation trace in loops on the README's pair beside a plain vLLM, every
 # process's RSS, fds, threads and sockets sampled each minute (docs/benchmarks.md, "Soak on the
