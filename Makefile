@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export MOONCAKE_VLLM_VENV := $(VENV)
 
 .PHONY: setup model test test-long test-unit test-drain test-netns test-ray test-router test-dynamo demo demo-pool lint \
-	format bench bench-aiperf soak
+	format bench bench-aiperf bench-guidellm soak
 
 setup:
 	@bash scripts/setup.sh
@@ -87,6 +87,12 @@ bench-aiperf: setup
 	@bash scripts/setup_router.sh "$(ROUTER_VENV)"
 	MOONCAKE_VLLM_AIPERF=$(AIPERF_VENV)/bin/aiperf MOONCAKE_VLLM_ROUTER=$(ROUTER_VENV)/bin/vllm-router \
 		$(PY) -m benchmarks.aiperf_trace $(BENCH_ARGS)
+
+# guidellm 0.8's sweep on plain vLLM and on the pair behind our proxy (~6 min; docs/benchmarks.md).
+GUIDELLM_VENV ?= $(HOME)/.cache/mooncake-vllm/guidellm-venv
+bench-guidellm: setup
+	@bash scripts/setup_guidellm.sh "$(GUIDELLM_VENV)"
+	MOONCAKE_VLLM_GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm $(PY) -m benchmarks.guidellm_sweep $(BENCH_ARGS)
 
 # An hour of the conversation trace in loops on the README's pair beside a plain vLLM, every
 # process's RSS, fds, threads and sockets sampled each minute (docs/benchmarks.md, "Soak on the
