@@ -46,7 +46,7 @@ test-ray: setup
 # mooncake and nixl modes, kv_aware on KV events, a prefill killed under load (~5 min; CI runs it).
 ROUTER_VENV ?= $(HOME)/.cache/mooncake-vllm/router-venv
 test-router: setup
-	@bash scripts/setup_router.sh "$(ROUTER_VENV)"
+	@bash scripts/setup_tool.sh "$(ROUTER_VENV)" vllm-router==0.1.17 vllm-router --help
 	MOONCAKE_VLLM_ROUTER=$(ROUTER_VENV)/bin/vllm-router \
 		$(PY) -m pytest -v -ra -s --durations=10 tests/test_router_e2e.py $(PYTEST_ARGS)
 
@@ -83,15 +83,15 @@ bench: setup
 # router + the same pair, then short-request latency at c=1 and c=8 (~15 min; docs/benchmarks.md).
 AIPERF_VENV ?= $(HOME)/.cache/mooncake-vllm/aiperf-venv
 bench-aiperf: setup
-	@bash scripts/setup_aiperf.sh "$(AIPERF_VENV)"
-	@bash scripts/setup_router.sh "$(ROUTER_VENV)"
+	@bash scripts/setup_tool.sh "$(AIPERF_VENV)" aiperf==0.13.0 aiperf --help
+	@bash scripts/setup_tool.sh "$(ROUTER_VENV)" vllm-router==0.1.17 vllm-router --help
 	MOONCAKE_VLLM_AIPERF=$(AIPERF_VENV)/bin/aiperf MOONCAKE_VLLM_ROUTER=$(ROUTER_VENV)/bin/vllm-router \
 		$(PY) -m benchmarks.aiperf_trace $(BENCH_ARGS)
 
 # guidellm 0.8's sweep on plain vLLM and on the pair behind our proxy (~6 min; docs/benchmarks.md).
 GUIDELLM_VENV ?= $(HOME)/.cache/mooncake-vllm/guidellm-venv
 bench-guidellm: setup
-	@bash scripts/setup_guidellm.sh "$(GUIDELLM_VENV)"
+	@bash scripts/setup_tool.sh "$(GUIDELLM_VENV)" guidellm==0.8.1 guidellm --version
 	MOONCAKE_VLLM_GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm $(PY) -m benchmarks.guidellm_sweep $(BENCH_ARGS)
 
 # An hour of the conversation trace in loops on the README's pair beside a plain vLLM, every

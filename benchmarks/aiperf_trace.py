@@ -5,8 +5,8 @@ then each one's median latency of a short request at concurrency 1 and 8.
     python -m benchmarks.aiperf_trace [--requests N] [--length-div 4] [--time-mul 0.05]
         [--ttft-slo-ms 1000] [--itl-slo-ms 100] [--out-dir artifacts/bench]
 
-``make bench-aiperf`` makes AIPerf's venv and the router's (``scripts/setup_aiperf.sh``,
-``scripts/setup_router.sh``) and runs this. The trace is the one ``benchmarks.trace`` replays,
+``make bench-aiperf`` makes AIPerf's venv and the router's (``scripts/setup_tool.sh``) and runs
+this. The trace is the one ``benchmarks.trace`` replays,
 scaled the same way and written in the format AIPerf reads with ``--custom-dataset-type
 mooncake_trace`` (``timestamp`` ms × ``--time-mul``, lengths ÷ ``--length-div``, outputs ÷ k
 capped at ``--max-output-tokens``, the same ``hash_ids``, ``--isl-block-size`` 512/k); AIPerf

@@ -4,7 +4,7 @@ plain vLLM: synchronous, throughput, then constant rates between, each rate for 
     python -m benchmarks.guidellm_sweep [--prompt-tokens 512] [--output-tokens 32]
         [--sweep-size 5] [--seconds 20] [--out-dir artifacts/bench]
 
-``make bench-guidellm`` makes guidellm's venv (``scripts/setup_guidellm.sh``) and runs this. Both
+``make bench-guidellm`` makes guidellm's venv (``scripts/setup_tool.sh``) and runs this. Both
 targets run one after the other on engines started once (the pair under vLLM's default ``fail``
 policy), with guidellm's synthetic text of ``--prompt-tokens`` and ``--output-tokens`` (the
 model's tokenizer), streamed ``/v1/completions``, its JSON report kept as the samples. Per

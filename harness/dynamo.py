@@ -27,7 +27,7 @@ from harness.servers import (
     default_log_dir,
     free_port,
     http_json,
-    metric_samples,
+    metric_sum,
     vllm_env,
 )
 
@@ -73,11 +73,7 @@ class DynamoProcess:
     def metric(self, name: str, **labels: str) -> float:
         """One series of ``/metrics``, summed over the samples whose labels include
         ``labels``."""
-        return sum(
-            s.value
-            for s in metric_samples(f"{self.url}/metrics", (name,))
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        return metric_sum(f"{self.url}/metrics", name, **labels)
 
     def stop(self) -> None:
         self.process.stop(grace_s=20)

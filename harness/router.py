@@ -1,6 +1,6 @@
 """vLLM's Rust router (``pip install vllm-router``, vllm-project/router) as a real process.
 
-``make test-router`` installs it in its own venv (``scripts/setup_router.sh``) and names the
+``make test-router`` installs it in its own venv (``scripts/setup_tool.sh``) and names the
 binary in ``MOONCAKE_VLLM_ROUTER``; ``router_binary()`` is None where it is not installed.
 """
 

@@ -260,6 +260,16 @@ def metric_samples(url: str, names: Collection[str] | None = None) -> Iterator:
         yield from family.samples
 
 
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """One series of a Prometheus endpoint, summed over the samples whose labels include
+    ``labels``."""
+    return sum(
+        s.value
+        for s in metric_samples(url, (name,))
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 def metric_totals(url: str, names: Collection[str] | None = None) -> dict[str, float]:
     """A Prometheus endpoint's samples (those of ``names`` only, if given) summed over labels,
     by sample name."""

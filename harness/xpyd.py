@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.servers import ManagedProcess, default_log_dir, free_port, metric_samples
+from harness.servers import ManagedProcess, default_log_dir, free_port, metric_sum
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,11 +47,7 @@ class ProxyServer:
     def metric(self, name: str, **labels: str) -> float:
         """One sample of the proxy's ``/metrics``, summed over the series whose labels include
         ``labels``."""
-        return sum(
-            s.value
-            for s in metric_samples(f"{self.url}/metrics", (name,))
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        return metric_sum(f"{self.url}/metrics", name, **labels)
 
     def wait_for(self, what: str, check: Callable[[], bool], timeout_s: float) -> float:
         """Seconds until ``check()`` holds; AssertionError naming ``what`` at the deadline."""
