@@ -1,5 +1,6 @@
 """AIPerf (``pip install aiperf``, 0.13) replaying the committed Mooncake trace slice against a
-plain vLLM, the README's pair behind our proxy, and the same pair behind vLLM's router, in one run;
+plain vLLM, the README's pair behind our proxy (its default sequential dispatch, and ``--dispatch
+concurrent``), and the same pair behind vLLM's router, in one run;
 then each one's median latency of a short request at concurrency 1 and 8.
 
     python -m benchmarks.aiperf_trace [--requests N] [--length-div 4] [--time-mul 0.05]
@@ -45,7 +46,7 @@ from harness.router import ROUTER_ENV, pd_args, router_binary, start_router
 from harness.tiny_model import build_tiny_model
 
 AIPERF_ENV = "MOONCAKE_VLLM_AIPERF"
-TARGETS = ("plain", "proxy", "router")
+TARGETS = ("plain", "proxy", "proxy-concurrent", "router")
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 METRICS = ("time_to_first_token", "inter_token_latency", "request_latency")
 
@@ -169,15 +170,18 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         plain, prefill, decode = start_many(model, specs, timeout_s=1200, log_dir=log_dir)
         started += [plain, prefill, decode]
-        proxy_url = start_proxy(["--prefill", prefill.url, "--decode", decode.url], log_dir,
-                                "aiperf-proxy", started)  # fmt: skip
+        pair = ["--prefill", prefill.url, "--decode", decode.url]
+        proxy_url = start_proxy(pair, log_dir, "aiperf-proxy", started)
+        concurrent_url = start_proxy([*pair, "--dispatch", "concurrent"], log_dir,
+                                     "aiperf-proxy-concurrent", started)  # fmt: skip
         router = start_router([*pd_args([(prefill.url, 8998)], [decode.url], "mooncake"),
                                "--policy", "round_robin"], log_dir=log_dir)  # fmt: skip
         started.append(router)
         print(f"up in {time.monotonic() - t0:.0f}s", file=sys.stderr)
-        urls = {"plain": plain.url, "proxy": proxy_url, "router": router.url}
-        engines = {"plain": {"plain": plain}, "proxy": {"p": prefill, "d": decode},
-                   "router": {"p": prefill, "d": decode}}  # fmt: skip
+        urls = {"plain": plain.url, "proxy": proxy_url, "proxy-concurrent": concurrent_url,
+                "router": router.url}  # fmt: skip
+        engines = {t: {"p": prefill, "d": decode} for t in TARGETS}
+        engines["plain"] = {"plain": plain}
         hf_home = workdir / "hf"
         base = ["--model", model, "--tokenizer", tokenizer_cache(model, hf_home),
                 "--endpoint-type", "completions", "--streaming", "--workers-max", "2",

@@ -4,11 +4,12 @@ router's ``mooncake`` mode (it asks each prefill's bootstrap ``/query`` and send
 once), its ``nixl`` mode (it hands the prefill's answer to the decode), and ``kv_aware`` prefill
 routing on the prefills' KV events (``--pd-kv-events``). Each flow: completions of 1-1500 tokens
 and chats, streamed and not, concurrency 8, every answer equal to a plain vLLM's, every prompt
-token by transfer (local prefix-cache hits counted apart), no pull failed, nothing held. Last, a
-prefill killed under load: what the router's clients see.
+token by transfer (local prefix-cache hits counted apart), no pull failed, nothing held. Then a
+third prefill on prefill a's host with only the README's settings (it starts without a bootstrap)
+in our proxy's 2P2D; last, a prefill killed under load: what the router's clients see.
 
-``make test-router`` installs the router in its own venv and runs this module (about 5 minutes:
-five vLLM starts); elsewhere it is skipped.
+``make test-router`` installs the router in its own venv and runs this module (about 3 minutes:
+six vLLM starts); elsewhere it is skipped.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from harness.pd import (
     stop_servers,
 )
 from harness.router import ROUTER_ENV, pd_args, router_binary, start_router
+from harness.servers import http_json
+from harness.xpyd import start_proxy
 
 pytestmark = [
     pytest.mark.servers,
@@ -54,7 +57,8 @@ def events_config(host: str) -> list[str]:
 class Cluster:
     def __init__(self, model, started):
         self.model = model
-        self.plain, self.prefill_a, self.decode_a, self.prefill_b, self.decode_b = started
+        self.plain, self.prefill_a, self.decode_a, self.prefill_b, self.decode_b = started[:5]
+        self.prefill_c = started[5]  # on prefill a's host, no bootstrap of its own
 
     @property
     def prefills(self):
@@ -79,6 +83,17 @@ def rc(tiny_model, tmp_path_factory, request):
                                 [*kv_args("kv_producer"), *events_config(p)], env))  # fmt: skip
         specs.append(ServerSpec(f"decode-router-{tag}", d, kv_args("kv_consumer"), env))
     started = start_many(tiny_model, specs)
+    # A second producer on prefill a's host with nothing but the README's settings, started
+    # after it (so the bootstrap port 8998 stays prefill a's): it starts without a bootstrap.
+    cfg = mooncake_json(tmp / "mooncake-c.json", prefill_url="127.0.0.2:13423",
+                        decode_url="127.0.0.3:13432")  # fmt: skip
+    try:
+        env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
+        spec = ServerSpec("prefill-router-c", "127.0.0.2", kv_args("kv_producer"), env)
+        started += start_many(tiny_model, [spec])
+    except BaseException:
+        stop_servers(started, print_logs=True)
+        raise
     yield Cluster(tiny_model, started)
     stop_servers(started, print_logs=request.session.testsfailed > 0)
 
@@ -188,6 +203,26 @@ async def test_the_router_spreads_a_2p2d_and_every_prompt_is_pulled(rc, http, po
             assert min(out["decodes"]) > 0, out
     finally:
         router.stop()
+
+
+async def test_two_producers_on_one_host_with_the_readme_settings_serve_our_proxys_2p2d(rc, http):
+    """Prefill c shares prefill a's host and was given only the README's settings: it started,
+    said once that it serves no bootstrap (the default port is prefill a's), and our proxy's
+    2P2D over prefills a and c uses both, every answer the plain vLLM's, every prompt pulled."""
+    log = rc.prefill_c.process.log_tail(500_000)
+    assert log.count("This engine serves no bootstrap /query") == 1, log[-3000:]
+    ids = {d["engine_id"] for d in http_json("http://127.0.0.2:8998/query").values()}
+    assert len(ids) == 1  # prefill a's alone
+    prefills = [rc.prefill_a, rc.prefill_c]
+    args = [a for p in prefills for a in ("--prefill", p.url)]
+    args += [a for d in rc.decodes for a in ("--decode", d.url)]
+    proxy = start_proxy(args)
+    try:
+        out = await through_router(rc, http, proxy, 83, prefills, rc.decodes)
+        print(f"our proxy, 2P2D with two producers on 127.0.0.2: {out}")
+        assert min(out["prefills"]) > 0 and min(out["decodes"]) > 0, out
+    finally:
+        proxy.stop()
 
 
 async def test_a_prefill_killed_under_load_what_the_routers_clients_see(rc, http):
