@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("dynamo.frontend")
 
-from test_upstream_e2e import MAX_TOKENS, chat_body, prompts
+from test_upstream_e2e import MAX_TOKENS, answer_events, chat_body, prompts
 
 from harness.dynamo import start_frontend, start_worker
 from harness.pd import eventually, greedy_body, mooncake_json, reference_spec, start_many
@@ -131,19 +131,11 @@ def idle(decodes) -> bool:
 async def read_ids(resp) -> list[int]:
     """The answer's token ids, streamed or not: vLLM's ``choices[].token_ids``
     (``return_token_ids``) or Dynamo's ``nvext.completion_token_ids``; an error event raises."""
-    async with resp:
-        if resp.status != 200:
+    if resp.status != 200:
+        async with resp:
             raise AssertionError(f"HTTP {resp.status}: {await resp.text()}")
-        if resp.content_type == "application/json":
-            events = [await resp.json()]
-        else:
-            events = []
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line.startswith("data:") and line != "data: [DONE]":
-                    events.append(json.loads(line[5:]))
     ids: list[int] = []
-    for event in events:
+    for event in await answer_events(resp):
         assert "error" not in event, event
         for choice in event.get("choices", []):
             ids.extend(choice.get("token_ids") or [])

@@ -41,19 +41,23 @@ def prompts(seed: int, lengths) -> list[list[int]]:
     return [[rng.randrange(3, 2048) for _ in range(n)] for n in lengths]
 
 
+async def answer_events(resp) -> list[dict]:
+    """A response's JSON body, or each event of its SSE stream up to ``[DONE]``; releases it."""
+    async with resp:
+        if resp.content_type == "application/json":
+            return [await resp.json()]
+        events = []
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                events.append(json.loads(line[5:]))
+        return events
+
+
 async def read_answer(resp, chat: bool) -> tuple[list[int], str]:
     """Token ids (completions) and text of a response, streamed or not; releases it."""
     ids, text = [], []
-    async with resp:
-        if resp.content_type == "application/json":
-            events = [await resp.json()]
-        else:
-            events = []
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line.startswith("data:") and line != "data: [DONE]":
-                    events.append(json.loads(line[5:]))
-    for event in events:
+    for event in await answer_events(resp):
         assert "error" not in event, event
         for choice in event.get("choices", []):
             ids.extend(choice.get("token_ids") or [])
