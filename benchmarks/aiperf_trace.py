@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.trace import DEFAULT_TRACE, MAX_MODEL_LEN, reset_caches, start_proxy
+from benchmarks.trace import DEFAULT_TRACE, MAX_MODEL_LEN, Stack, reset_caches, start_proxy
 from benchmarks.trace_model import Scale, load_trace, new_tokens
 from harness import servers
 from harness.pd import ServerSpec, kv_args, mooncake_json, start_many
@@ -115,8 +115,6 @@ def run_aiperf(args: list[str], artifact_dir: Path, log: Path, timeout_s: float,
 def stat(summary: dict, tag: str, key: str) -> float | None:
     """One statistic (``p50``, ``p99``, ``avg``) of one AIPerf metric, in its display unit."""
     entry = summary.get(tag)
-    if entry is None:
-        entry = next((m for m in summary.get("records", []) if m.get("tag") == tag), None)
     if not isinstance(entry, dict):
         return None
     value = entry.get(key)
@@ -192,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers.http_json(f"{url}/v1/completions", {"model": model, "max_tokens": 4,
                                                             "prompt": [7] * n})  # fmt: skip
         for target in TARGETS:
-            reset_caches(_Engines([plain, prefill, decode]))
+            reset_caches(Stack({}, {"plain": plain, "prefill": prefill, "decode": decode}))
             time.sleep(1.5)
             before = engine_counts(engines[target])
             t1 = time.monotonic()
@@ -261,13 +259,6 @@ def main(argv: list[str] | None = None) -> int:
                                 rows=rows, notes=notes, plot=plot(rows))  # fmt: skip
     common.report(f"AIPerf trace replay: {len(trace)} requests, bound {bound} tokens", rows, paths)
     return 0
-
-
-class _Engines:
-    """What ``benchmarks.trace.reset_caches`` reads: ``engines`` by name."""
-
-    def __init__(self, engines) -> None:
-        self.engines = {str(i): e for i, e in enumerate(engines)}
 
 
 def plot(rows: list[dict]) -> Callable[[Path], None]:

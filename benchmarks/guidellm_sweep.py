@@ -98,8 +98,8 @@ def rows_of(target: str, report: dict) -> list[dict]:
         strategy = _find(bench, "config", "strategy") or {}
         row: dict[str, Any] = {
             "target": target,
-            "strategy": strategy.get("type_") or strategy.get("kind") or strategy.get("type"),
-            "rate": strategy.get("rate") or strategy.get("streams"),
+            "strategy": strategy.get("type_"),
+            "rate": strategy.get("rate"),
             "req_per_s": _find(metrics, "requests_per_second", "successful", "mean"),
         }
         for key, name in (("ttft", "time_to_first_token_ms"), ("itl", "inter_token_latency_ms"),

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.servers import ManagedProcess, _http_ok, default_log_dir, free_port, http_text
+from harness.servers import ManagedProcess, _http_ok, default_log_dir, free_port
 
 ROUTER_ENV = "MOONCAKE_VLLM_ROUTER"
 
@@ -28,15 +28,10 @@ class RouterServer:
     process: ManagedProcess
     host: str
     port: int
-    prometheus_port: int
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    def metrics(self) -> str:
-        """The router's Prometheus exposition (its own port)."""
-        return http_text(f"http://{self.host}:{self.prometheus_port}/metrics")
 
     def stop(self) -> None:
         self.process.stop(grace_s=10)
@@ -63,8 +58,9 @@ def start_router(
     log_dir: Path | None = None,
     timeout_s: float = 60.0,
 ) -> RouterServer:
-    """``vllm-router ARGS --host H --port P --prometheus-port Q``, up when ``/health`` answers
-    200 (every worker it was given has answered its own ``/health``)."""
+    """``vllm-router ARGS --host H --port P --prometheus-port Q`` (a port of its own: the
+    default 29000 would clash between routers), up when ``/health`` answers 200 (every worker
+    it was given has answered its own ``/health``)."""
     binary = router_binary()
     if binary is None:
         raise RuntimeError(f"no vllm-router: set {ROUTER_ENV} (make test-router does)")
@@ -73,6 +69,6 @@ def start_router(
     argv += ["--prometheus-host", host, "--prometheus-port", str(prom)]
     log = (log_dir or default_log_dir()) / f"{name}-{host}-{port}.log"
     proc = ManagedProcess(name, argv, log, dict(os.environ)).start()
-    server = RouterServer(proc, host, port, prom)
+    server = RouterServer(proc, host, port)
     proc.wait_until(lambda: _http_ok(f"{server.url}/health"), timeout_s, "answering /health")
     return server

@@ -301,11 +301,7 @@ class VllmServer:
 
     def metric(self, name: str, **labels: str) -> float:
         """One Prometheus sample summed over the series whose labels include ``labels``."""
-        return sum(
-            s.value
-            for s in self._samples((name,))
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        return metric_sum(f"{self.url}/metrics", name, **labels)
 
     def histogram(self, name: str) -> dict[float, float]:
         """A Prometheus histogram's cumulative buckets, ``{le: count}``, summed over labels."""
@@ -370,6 +366,12 @@ def vllm_env(kv_cache_gib: int = 1, extra: Mapping[str, str] | None = None) -> d
     return env
 
 
+def engine_test_flags(max_model_len: int = 2048) -> list[str]:
+    """The flags every harness engine runs with: exact float32, eager, seeded."""
+    return ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--seed", "0"]  # fmt: skip
+
+
 def start_vllm(
     model: str | Path,
     *,
@@ -411,10 +413,7 @@ def start_vllm(
         *launch,
         "--host", host,
         "--port", str(port),
-        "--dtype", "float32",
-        "--enforce-eager",
-        "--max-model-len", str(max_model_len),
-        "--seed", "0",
+        *engine_test_flags(max_model_len),
         *args,
     ]  # fmt: skip
     log = (log_dir or default_log_dir()) / f"{name}-{host}-{port}.log"

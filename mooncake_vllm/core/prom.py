@@ -5,7 +5,7 @@ histograms observe each sample, gauges keep the newest).
 Each series is named as vLLM names its connectors' (``vllm:mooncake_<name>``, as NIXL's are
 ``vllm:nixl_<name>``), which tools that pass on only ``vllm:*`` series (Dynamo's worker
 ``/metrics``) keep, and under this package's first name, ``mooncake_vllm:<name>``, an alias
-kept for one release (docs/configuration.md, "Metrics")."""
+kept for one release (docs/architecture.md, "Metrics")."""
 
 from __future__ import annotations
 
