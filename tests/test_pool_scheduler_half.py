@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from mooncake_vllm.core.kv_groups import KVGroup
 from mooncake_vllm.core.prompt_identity import MMSpan, PromptIdentity
 from mooncake_vllm.core.settings import load_settings
 from mooncake_vllm.pool.config import PoolSettings
@@ -73,8 +74,13 @@ IDENTITIES = [
 
 
 class Blocks:
-    def __init__(self, ids):
+    """vLLM's ``KVCacheBlocks`` for one group: ``ids`` in order, the first ``cached`` of them
+    the local prefix cache's (they have a hash)."""
+
+    def __init__(self, ids, cached=0):
         self.ids = ids
+        self.blocks = ([SimpleNamespace(block_id=b, block_hash=b"h" if i < cached else None,
+                                        is_null=b == 0) for i, b in enumerate(ids)],)  # fmt: skip
 
     def get_block_ids(self):
         return (self.ids,)
@@ -140,7 +146,7 @@ def test_kv_replicated_is_looked_up_once_whatever_the_tp_size():
 def test_the_load_names_digests_and_destination_blocks_and_is_claimed_once():
     h = half(DictStore(block_keys(DIGESTS, 0)))
     assert h.get_num_new_matched_tokens(request(), 128) == (172, True)
-    h.update_state_after_alloc(request(), Blocks([7, 8, 9]), 172)
+    h.update_state_after_alloc(request(), Blocks([7, 8, 9], cached=1), 172)
     meta = h.build_connector_meta(step())
     assert [(m.digests, m.block_ids) for m in meta.loads] == [(DIGESTS[1:], [8, 9])]
     assert h.get_num_new_matched_tokens(request(), 128) == (0, False)  # after the load: local
@@ -351,3 +357,99 @@ def test_a_real_vllm_request_is_read_the_same():
     store = DictStore()
     half(store).get_num_new_matched_tokens(real, 0)
     assert store.asked == [block_keys(chain_digests(PROMPT, BLOCK, SALT, identity), 0)]
+
+
+# ---- a hybrid model: a full-attention group and a sliding-window group (core.kv_groups) -----
+
+FULL = KVGroup(("layers.2",))
+SLIDING = KVGroup(("layers.0", "layers.1"), sliding_window=128)
+HYBRID_PROMPT = list(range(100, 740))  # 640 tokens: five full blocks
+
+
+def hybrid_half(store, **kwargs):
+    h = half(store, **kwargs)
+    return PoolSchedulerHalf(
+        h._settings, is_producer=h._is_producer, is_consumer=h._is_consumer, block_size=BLOCK,
+        salt=SALT, tp_size=1, store=store, kv_groups=(FULL, SLIDING),
+    )  # fmt: skip
+
+
+def hybrid_keys(full_blocks, sliding_blocks):
+    digests = chain_digests(HYBRID_PROMPT, BLOCK, SALT)
+    return block_keys([digests[i] for i in full_blocks], 0, 0) + block_keys(
+        [digests[i] for i in sliding_blocks], 0, 1
+    )
+
+
+def test_a_hybrid_lookup_needs_the_full_groups_blocks_and_the_windows_only():
+    """Claimed one token short (the last prompt token is computed, as the pair's claim): the
+    load ends at token 639, whose window reaches back to token 512, block 4."""
+    store = DictStore(hybrid_keys(range(5), [4]))
+    h = hybrid_half(store)
+    assert h.get_num_new_matched_tokens(request(prompt=HYBRID_PROMPT), 0) == (639, True)
+    (asked,) = store.asked
+    assert len(asked) == 10 and asked[5:] == hybrid_keys([], range(5))  # every group's keys
+    # The window's block missing: the claim is cut back to where the window's blocks are there.
+    store = DictStore(hybrid_keys(range(5), [2, 3]))
+    assert hybrid_half(store).get_num_new_matched_tokens(request(prompt=HYBRID_PROMPT), 0) == (
+        512,
+        True,
+    )
+    # A full group's block missing cuts the claim there.
+    store = DictStore(hybrid_keys([0, 1], range(5)))
+    assert hybrid_half(store).get_num_new_matched_tokens(request(prompt=HYBRID_PROMPT), 0) == (
+        256,
+        True,
+    )
+
+
+class HybridBlocks:
+    """``KVCacheBlocks`` of two groups: the full group's ids, and the sliding group's, where 0
+    is vLLM's null block (a position the window skips)."""
+
+    def __init__(self, full, sliding):
+        def group(ids):
+            return [SimpleNamespace(block_id=b, block_hash=None, is_null=b == 0) for b in ids]
+
+        self.blocks = (group(full), group(sliding))
+
+
+def test_a_hybrid_load_fills_each_groups_allocated_blocks_from_its_own_keys():
+    h = hybrid_half(DictStore(hybrid_keys(range(5), range(5))))
+    assert h.get_num_new_matched_tokens(request(prompt=HYBRID_PROMPT), 0) == (639, True)
+    h.update_state_after_alloc(
+        request(prompt=HYBRID_PROMPT), HybridBlocks([11, 12, 13, 14, 15], [0, 0, 0, 0, 25]), 639
+    )
+    loads = h.build_connector_meta(step()).loads
+    digests = chain_digests(HYBRID_PROMPT, BLOCK, SALT)
+    assert [(m.group, m.digests, m.block_ids) for m in loads] == [
+        (0, digests, [11, 12, 13, 14, 15]),
+        (1, digests[4:], [25]),  # the window's block only
+    ]
+
+
+def test_a_hybrid_load_vllm_cannot_fill_is_reported_failed_not_raised():
+    h = hybrid_half(DictStore(hybrid_keys(range(5), range(5))))
+    h.get_num_new_matched_tokens(request(prompt=HYBRID_PROMPT), 0)
+    holes = HybridBlocks([11, 12, 13, 14, 15], [21, 0, 0, 0, 25])  # not contiguous
+    h.update_state_after_alloc(request(prompt=HYBRID_PROMPT), holes, 639)
+    (load,) = h.build_connector_meta(step()).loads
+    assert "not contiguous" in load.error
+
+
+def test_hybrid_saves_are_per_group_and_skip_the_null_block():
+    h = hybrid_half(None, consumer=False)
+    h.update_state_after_alloc(request(prompt=HYBRID_PROMPT), HybridBlocks([], []), 0)
+    # Admitted with a local prefix-cache hit of 512 tokens: the window freed blocks 0..2.
+    new = SimpleNamespace(
+        req_id="r1", prompt_token_ids=HYBRID_PROMPT, num_computed_tokens=512,
+        block_ids=([11, 12, 13, 14, 15], [0, 0, 0, 24, 25]),
+    )  # fmt: skip
+    out = step(scheduled={"r1": 128})
+    out.scheduled_new_reqs = [new]
+    saves = h.build_connector_meta(out).saves
+    digests = chain_digests(HYBRID_PROMPT, BLOCK, SALT)
+    assert [(s.group, s.digests, s.block_ids) for s in saves] == [
+        (0, digests, [11, 12, 13, 14, 15]),
+        (1, digests[3:], [24, 25]),
+    ]

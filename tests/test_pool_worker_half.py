@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harness.servers import start_mooncake_master
+from mooncake_vllm.core.kv_groups import KVGroup
 from mooncake_vllm.core.settings import load_settings
 from mooncake_vllm.pool.config import PoolSettings
 from mooncake_vllm.pool.keys import block_keys
@@ -32,7 +33,7 @@ def master():
 
 
 def worker(
-    master, tp_rank=0, replicated=False, **settings
+    master, tp_rank=0, replicated=False, kv_groups=None, **settings
 ) -> tuple[PoolWorkerHalf, dict[str, torch.Tensor]]:
     s = load_settings(
         {"master_server_address": master.address, "metadata_server": master.metadata_url,
@@ -40,7 +41,8 @@ def worker(
         env={}, model=PoolSettings,
     )  # fmt: skip
     w = PoolWorkerHalf(s, is_producer=True, is_consumer=True, tp_rank=tp_rank,
-                       num_blocks=NUM_BLOCKS, kv_replicated=replicated)  # fmt: skip
+                       num_blocks=NUM_BLOCKS, kv_replicated=replicated,
+                       kv_groups=kv_groups or (KVGroup(()),))  # fmt: skip
     caches = {f"model.layers.{i}.attn": torch.zeros(SHAPE) for i in range(2)}
     w.register_kv_caches(caches)
     return w, caches
@@ -183,3 +185,48 @@ def test_a_dead_master_fails_puts_at_once_and_loads_within_their_deadline(master
     # worker's close waits 10 s for its unmount RPC.
     again = start_mooncake_master(master.host, master.port, metadata_port=master.metadata_port)
     master.process = again.process  # the fixture stops this one
+
+
+def test_a_hybrid_models_groups_go_through_the_pool_each_from_its_own_layers(master):
+    """Layer 0 full attention (group 0), layer 1 sliding window (group 1): each group's block is
+    a value of its own layer's K and V only, under the group's key."""
+    groups = (KVGroup(("model.layers.0.attn",)), KVGroup(("model.layers.1.attn",), 128))
+    (writer, w_caches), (reader, r_caches) = (worker(master, kv_groups=groups) for _ in range(2))
+    try:
+        for t in w_caches.values():
+            t.copy_(torch.randn(SHAPE))
+        writer.start_load_kv(PoolConnectorMetadata(saves=[
+            BlockTransfer("s", ["h0", "h1"], [5, 6], group=0),
+            BlockTransfer("s", ["h1"], [7], group=1),
+        ]))  # fmt: skip
+        writer.wait_for_save()
+        stats = writer.get_stats().data
+        assert (stats["put_blocks"], stats["put_bytes"]) == (3, 3 * BLOCK_BYTES // 2)
+        assert writer._store.exists(block_keys(["h1"], 0, 1) + block_keys(["h1"], 0)) == [1, 0]
+        reader.start_load_kv(PoolConnectorMetadata(loads=[
+            BlockTransfer("r", ["h0", "h1"], [1, 2], group=0),
+            BlockTransfer("r", ["h1"], [3], group=1),
+        ]))  # fmt: skip
+        deadline = time.monotonic() + 10
+        while "r" not in (r := reader.get_transfer_results()).finished_recving:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert "r" not in r.failed_recving
+        full, sliding = (r_caches[f"model.layers.{i}.attn"] for i in range(2))
+        assert torch.equal(full[:, 1:3], w_caches["model.layers.0.attn"][:, 5:7])
+        assert torch.equal(sliding[:, 3], w_caches["model.layers.1.attn"][:, 7])
+        assert not sliding[:, 1:3].any() and not full[:, 3].any()  # each group its own layers
+        assert reader.get_stats().data["get_bytes"] == 3 * BLOCK_BYTES // 2
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_a_load_that_could_not_be_planned_is_reported_failed_with_its_reason(pair):
+    reader = pair[2]
+    reader.start_load_kv(PoolConnectorMetadata(loads=[BlockTransfer("bad", [], [1], error="no")]))
+    deadline = time.monotonic() + 10
+    while "bad" not in (r := reader.get_transfer_results()).finished_recving:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "bad" in r.failed_recving

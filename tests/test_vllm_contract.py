@@ -530,12 +530,13 @@ def test_outside_vllms_engine_core_its_signal_handlers_are_left_alone():
 
 
 def test_the_hybrid_allocator_hook_takes_the_same_parameters_there(vllm_files):
-    """``SupportsHMA`` keeps vLLM's hybrid memory allocator on for the pair's connector (a
+    """``SupportsHMA`` keeps vLLM's hybrid memory allocator on for both connectors (a
     sliding-window model then gets a KV cache group per kind, ``core.kv_groups``); vLLM calls
     ``request_finished_all_groups`` instead of ``request_finished``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 
     there = vllm_files.params(BASE, "SupportsHMA.request_finished_all_groups")
     assert there == ["self", "request", "block_ids"], f"vLLM {vllm_files.version}: {there}"
-    assert issubclass(MooncakeConnector, SupportsHMA)
-    assert _params(MooncakeConnector.request_finished_all_groups) == there
+    for cls in (MooncakeConnector, MooncakeStoreConnector):
+        assert issubclass(cls, SupportsHMA), cls.__name__
+        assert _params(cls.request_finished_all_groups) == there, cls.__name__

@@ -63,8 +63,7 @@ def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
         else:
             raise GroupError(
                 f"KV cache group {g} ({len(group.layer_names)} layers) is "
-                f"{type(spec).__name__}: MooncakeConnector moves full-attention and "
-                "sliding-window KV only"
+                f"{type(spec).__name__}: only full-attention and sliding-window KV are moved"
             )
     return tuple(groups)
 

@@ -12,17 +12,20 @@ does both. No ``kv_transfer_params`` are needed or returned: any proxy works.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from mooncake_vllm.core.cpu_mla import warn_cpu_mla_rope
 from mooncake_vllm.core.facade import HalvesConnector
 from mooncake_vllm.core.identity import engine_compat_hash
+from mooncake_vllm.core.kv_groups import GroupError, KVGroup, kv_groups
 from mooncake_vllm.core.model_identity import engine_model_identity
-from mooncake_vllm.core.settings import check_role, load_settings
+from mooncake_vllm.core.settings import ConfigError, check_role, load_settings
 from mooncake_vllm.p2p.local_channels import pool_wake_endpoint
 from mooncake_vllm.pool.config import PoolSettings, check_reachable
 from mooncake_vllm.pool.scheduler import PoolSchedulerHalf
@@ -36,8 +39,21 @@ if TYPE_CHECKING:
 
     from mooncake_vllm.pool.worker import PoolWorkerHalf
 
+logger = logging.getLogger(__name__)
 
-class MooncakeStoreConnector(HalvesConnector):
+
+def pool_kv_groups(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]:
+    """The engine's KV cache groups; one we cannot store stops vLLM at startup naming it."""
+    try:
+        return kv_groups(kv_cache_config)
+    except GroupError as e:
+        raise ConfigError(f"{e}; this model cannot be served through MooncakeStoreConnector") from e
+
+
+class MooncakeStoreConnector(HalvesConnector, SupportsHMA):
+    """``SupportsHMA``: vLLM keeps its hybrid memory allocator on, so a sliding-window model's
+    groups keep (and the pool stores and loads) a window's blocks (``pool.keys``)."""
+
     metadata_type = PoolConnectorMetadata
     stats_type = PoolStats
     prom_metrics_type = PoolPromMetrics
@@ -52,6 +68,7 @@ class MooncakeStoreConnector(HalvesConnector):
         wake = pool_wake_endpoint(ktc.engine_id, vllm_config.parallel_config.data_parallel_rank)
         is_producer = ktc.kv_role in ("kv_producer", "kv_both")
         is_consumer = ktc.kv_role in ("kv_consumer", "kv_both")
+        groups = pool_kv_groups(kv_cache_config)
         self._scheduler: PoolSchedulerHalf | None = None
         self._worker: PoolWorkerHalf | None = None
         if self.role == KVConnectorRole.SCHEDULER:
@@ -75,6 +92,7 @@ class MooncakeStoreConnector(HalvesConnector):
                 kv_replicated=vllm_config.model_config.use_mla,
                 engine_core=EngineCoreHandle.find(probe),
                 wake_endpoint=wake,
+                kv_groups=groups,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -90,7 +108,19 @@ class MooncakeStoreConnector(HalvesConnector):
                 num_blocks=kv_cache_config.num_blocks,
                 kv_replicated=vllm_config.model_config.use_mla,
                 wake_endpoint=wake,
+                kv_groups=groups,
             )
+
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid allocator on: as ``request_finished``, guarded the same
+        way (nothing is held for the pool)."""
+        try:
+            return self._scheduler.request_finished(request, block_ids[0])
+        except Exception:
+            logger.exception("request %s: pool connector error at its end", request.request_id)
+            return False, None
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -20,6 +20,12 @@ plain block of the same token count, so the two never collide. A pool that serve
 multimodal or salted requests before this holds their KV under plain keys: restart its master
 when upgrading.
 
+A hybrid model (vLLM's hybrid allocator: a KV cache group per kind of attention,
+``core.kv_groups``) stores each group's block under its own key, ``.../g<group>/<rank>``, whose
+value is that block of the group's layers: a sliding-window group's blocks are put as they are
+computed, and a load gets only those vLLM allocates (the window's), so a decode pulls a window, not
+the prompt. A model of one group keeps the keys it had.
+
 The key string carries ``KEY_VERSION``: a change of the value's layout bumps it, and old values
 in a running pool are simply never found.
 """
@@ -59,9 +65,12 @@ def chain_digests(
     return out
 
 
-def pool_key(digest: str, tp_rank: int) -> str:
-    """The store key of one block's KV on one TP rank."""
-    return f"{_PREFIX}/{digest}/{tp_rank}"
+def pool_key(digest: str, tp_rank: int, group: int | None = None) -> str:
+    """The store key of one block's KV on one TP rank; ``group``: the KV cache group of a hybrid
+    model (None for a model of one group, whose keys stay as they were before groups)."""
+    if group is None:
+        return f"{_PREFIX}/{digest}/{tp_rank}"
+    return f"{_PREFIX}/{digest}/g{group}/{tp_rank}"
 
 
 def key_ranks(tp_size: int, replicated: bool) -> int:
@@ -74,8 +83,13 @@ def key_rank(tp_rank: int, replicated: bool) -> int:
     return 0 if replicated else tp_rank
 
 
-def block_keys(digests: Sequence[str], tp_rank: int) -> list[str]:
-    return [pool_key(d, tp_rank) for d in digests]
+def block_keys(digests: Sequence[str], tp_rank: int, group: int | None = None) -> list[str]:
+    return [pool_key(d, tp_rank, group) for d in digests]
+
+
+def group_key(group: int, num_groups: int) -> int | None:
+    """What a key names of a block's KV cache group: nothing for a model of one group."""
+    return group if num_groups > 1 else None
 
 
 def leading_hits(exists: Sequence[int], num_blocks: int, tp_size: int) -> int:

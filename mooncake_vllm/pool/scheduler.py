@@ -19,6 +19,13 @@ LoRA adapter, multimodal inputs, ``cache_salt``: ``core.prompt_identity``), read
 (vLLM calls it for every request it schedules from the waiting queue, in the same step) and a
 request whose identity was not seen is not saved. A prompt of embeddings has no key at all.
 
+Hybrid models (a KV cache group per kind of attention, ``core.kv_groups``): each group's blocks
+have keys of their own. A lookup counts the leading blocks every full-attention group holds and,
+for a sliding-window group, only the blocks the window of the first token to compute reaches; a
+load fills, per group, the blocks vLLM allocated (``positions_to_fill``: for a sliding group, the
+window's). The claim leaves the last prompt token to compute, as the pair's does
+(``claim_hold_back``). Saves skip the null block (a window's freed positions).
+
 Late writes: a get cannot be cancelled; one reported failed at its deadline may still write. Its
 destination blocks stay pinned in vLLM's block pool until every rank reports it settled (the P2P
 connector's ``BlockPins``).
@@ -33,11 +40,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mooncake_vllm.core.kv_groups import (
+    NULL_BLOCK_ID,
+    KVGroup,
+    claim_hold_back,
+    first_attended,
+    positions_to_fill,
+)
 from mooncake_vllm.core.loads import BlockPins, MooncakeWorkerMeta
 from mooncake_vllm.core.prompt_identity import PromptIdentity, prompt_identity
 from mooncake_vllm.p2p.local_channels import WakeForwarder
 from mooncake_vllm.pool.config import PoolSettings
-from mooncake_vllm.pool.keys import block_keys, chain_digests, key_ranks, leading_hits
+from mooncake_vllm.pool.keys import block_keys, chain_digests, group_key, key_ranks, leading_hits
 from mooncake_vllm.pool.stats import PoolStats
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
 from mooncake_vllm.vllm_glue import IDLE_STEP_PAUSE_S, EngineCoreHandle, Rests
@@ -68,7 +82,7 @@ class _Saving:
 
     digests: list[str]
     prompt_len: int
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     computed: int = 0  # prompt tokens whose KV exists once the scheduled step has run
     saved_blocks: int = 0  # leading blocks already handed to the workers (or loaded)
 
@@ -87,14 +101,18 @@ class PoolSchedulerHalf:
         kv_replicated: bool = False,
         engine_core: EngineCoreHandle | None = None,
         wake_endpoint: str | None = None,
+        kv_groups: tuple[KVGroup, ...] = (KVGroup(()),),
     ):
         """``kv_replicated``: every TP rank holds the same KV (MLA), stored once in the pool.
         ``engine_core`` and ``wake_endpoint`` (where the workers say a load ended): while only
-        loads are pending, vLLM rests instead of stepping (``vllm_glue.Rests``)."""
+        loads are pending, vLLM rests instead of stepping (``vllm_glue.Rests``). ``kv_groups``:
+        the engine's KV cache groups (``core.kv_groups``)."""
         self._settings = settings
         self._is_producer, self._is_consumer = is_producer, is_consumer
         self._block_size, self._salt, self._tp_size = block_size, salt, tp_size
         self._key_ranks = key_ranks(tp_size, kv_replicated)
+        self._groups = kv_groups
+        self._hold_back = claim_hold_back(kv_groups)
         self._store = store  # lookup-only client (consumers)
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="mooncake-pool-lookup")
         self._lookup: Future | None = None  # the last lookup (a stuck one blocks the next)
@@ -134,28 +152,36 @@ class PoolSchedulerHalf:
         digests = chain_digests(prompt, self._block_size, self._salt, identity)
         first = num_computed_tokens // self._block_size
         wanted = digests[first:]
-        if not wanted:
+        limit = len(prompt) - self._hold_back
+        if not wanted or limit <= num_computed_tokens:
             return 0, False
-        hits = self._count_hits(wanted)
+        hits = self._count_hits(wanted, first, limit)
         self._stats.count("hit_blocks", hits)
         self._stats.count("miss_blocks", len(wanted) - hits)
-        count = min(len(prompt), (first + hits) * self._block_size) - num_computed_tokens
+        count = min(limit, (first + hits) * self._block_size) - num_computed_tokens
         if count <= 0:
             return 0, False
         self._planned[request.request_id] = _Planned(first, wanted[:hits])
         return count, True
 
-    def _count_hits(self, digests: list[str]) -> int:
-        """Leading blocks every rank holds; 0 when the pool does not answer in time."""
+    def _count_hits(self, digests: list[str], first: int, limit: int) -> int:
+        """Leading blocks (from block ``first``) the pool holds for a load of at most ``limit``
+        prompt tokens; 0 when the pool does not answer in time."""
         self._stats.count("lookups")
         if self._lookup is not None and not self._lookup.done():
             self._stats.count("lookup_failures")  # the previous one is stuck: do not queue
             return 0
-        keys = [k for r in range(self._key_ranks) for k in block_keys(digests, r)]
+        n = len(self._groups)
+        keys = [
+            k
+            for g in range(n)
+            for r in range(self._key_ranks)
+            for k in block_keys(digests, r, group_key(g, n))
+        ]
         self._lookup = self._lookups.submit(self._store.exists, keys)
         try:
             exists = self._lookup.result(timeout=self._settings.lookup_timeout_s)
-            return leading_hits(exists, len(digests), self._key_ranks)
+            return self._usable_hits(exists, len(digests), first, limit)
         except FutureTimeout:
             logger.warning(
                 "pool lookup not answered in %gs (lookup_timeout_s): counted as a miss",
@@ -164,6 +190,32 @@ class PoolSchedulerHalf:
         except Exception as e:
             logger.warning("pool lookup failed (%s): counted as a miss", e)
         self._stats.count("lookup_failures")
+        return 0
+
+    def _usable_hits(self, exists: list[int], num: int, first: int, limit: int) -> int:
+        """From ``exists`` (group-major, then rank-major, ``num`` blocks each): the leading
+        blocks every rank of every full-attention group holds, cut back until each
+        sliding-window group holds every block the window of the load's end reaches."""
+        per_group = num * self._key_ranks
+        answers = [exists[g * per_group : (g + 1) * per_group] for g in range(len(self._groups))]
+        groups = list(zip(answers, self._groups, strict=True))
+        full = [a for a, group in groups if not group.sliding_window]
+        hits = min((leading_hits(a, num, self._key_ranks) for a in full), default=num)
+        bs = self._block_size
+        while hits > 0:
+            end = min(limit, (first + hits) * bs)
+            last = -(-end // bs) - first  # blocks of the load, from ``first``
+            if all(
+                all(
+                    a[r * num + i] == 1
+                    for r in range(self._key_ranks)
+                    for i in range(max(0, first_attended(group, end, bs) - first), last)
+                )
+                for a, group in groups
+                if group.sliding_window
+            ):
+                return hits
+            hits -= 1
         return 0
 
     def update_state_after_alloc(
@@ -177,14 +229,36 @@ class PoolSchedulerHalf:
         req_id = request.request_id
         bs = self._block_size
         end_token = planned.first_block * bs + num_external_tokens
-        count = min(len(planned.digests), -(-end_token // bs) - planned.first_block)
-        all_block_ids = blocks.get_block_ids()[0]
-        local = all_block_ids[planned.first_block : planned.first_block + count]
-        load = BlockTransfer(req_id, planned.digests[:count], list(local))
-        self._loads.append(load)
+        try:
+            loads = self._plan_load(req_id, planned, blocks, end_token)
+        except Exception as e:
+            # Never into vLLM's scheduler; the claimed load must still end (vLLM waits for it).
+            logger.exception("request %s: pool load not planned, connector error", req_id)
+            ids = [b.block_id for b in blocks.blocks[0][planned.first_block :]]
+            loads = [BlockTransfer(req_id, [], ids, error=f"connector error: {e!r}")]
+        self._loads += loads
         if self._pins is not None:
-            self._pins.pin(req_id, load.block_ids)
-        self._loaded[req_id] = planned.first_block + count  # need not be saved again
+            self._pins.pin(req_id, [b for load in loads for b in load.block_ids])
+        self._loaded[req_id] = -(-end_token // bs)  # need not be saved again
+
+    def _plan_load(
+        self, req_id: str, planned: _Planned, blocks: KVCacheBlocks, end_token: int
+    ) -> list[BlockTransfer]:
+        """Per group, the blocks vLLM allocated for the tokens up to ``end_token`` and the
+        digests of their values in the pool."""
+        loads = []
+        for g, group in enumerate(self._groups):
+            start, ids = positions_to_fill(blocks.blocks[g], group, end_token, self._block_size)
+            lo = start - planned.first_block
+            digests = planned.digests[lo : lo + len(ids)] if lo >= 0 else []
+            if len(digests) != len(ids):
+                covered = planned.first_block + len(planned.digests) - 1
+                raise ValueError(
+                    f"KV cache group {g}: blocks {start}..{start + len(ids) - 1} to fill, the "
+                    f"lookup covered {planned.first_block}..{covered}"
+                )
+            loads.append(BlockTransfer(req_id, digests, ids, g))
+        return loads
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         if self._is_consumer:
@@ -213,7 +287,7 @@ class PoolSchedulerHalf:
                 continue
             digests = chain_digests(prompt, self._block_size, self._salt, identity)
             saving = _Saving(digests, len(prompt))
-            saving.block_ids = list(new.block_ids[0])
+            saving.block_ids = [list(ids) for ids in new.block_ids]
             saving.saved_blocks = self._loaded.get(new.req_id, 0)
             saving.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._saving[new.req_id] = saving
@@ -225,9 +299,10 @@ class PoolSchedulerHalf:
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
                 if req_id in cached.resumed_req_ids:
-                    saving.block_ids = list(new_ids[0])
+                    saving.block_ids = [list(ids) for ids in new_ids]
                 else:
-                    saving.block_ids.extend(new_ids[0])
+                    for have, more in zip(saving.block_ids, new_ids, strict=True):
+                        have.extend(more)
             saving.computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
 
     def _saves(self, scheduler_output: SchedulerOutput) -> list[BlockTransfer]:
@@ -239,10 +314,21 @@ class PoolSchedulerHalf:
             end = computed // bs
             if computed == s.prompt_len and s.prompt_len % bs:
                 end += 1  # the trailing partial block, once the whole prompt is in it
-            end = min(end, len(s.block_ids))
+            end = min(end, *(len(ids) for ids in s.block_ids))
             if end > s.saved_blocks:
-                todo = slice(s.saved_blocks, end)
-                saves.append(BlockTransfer(req_id, s.digests[todo], s.block_ids[todo]))
+                for g, ids in enumerate(s.block_ids):
+                    # A null block: a window's position freed before it was saved (a local
+                    # prefix-cache hit there); nothing of it to put.
+                    todo = [
+                        (d, b)
+                        for d, b in zip(
+                            s.digests[s.saved_blocks : end], ids[s.saved_blocks : end], strict=True
+                        )
+                        if b != NULL_BLOCK_ID
+                    ]
+                    if todo:
+                        digests, block_ids = (list(x) for x in zip(*todo, strict=True))
+                        saves.append(BlockTransfer(req_id, digests, block_ids, g))
                 s.saved_blocks = end
             if s.saved_blocks >= len(s.digests):
                 done.append(req_id)

@@ -9,12 +9,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(frozen=True)
 class BlockTransfer:
-    """Blocks of one request between the pool and vLLM's KV cache: the value of
-    ``digests[i]`` (every rank appends its own rank to the key) is local block ``block_ids[i]``."""
+    """Blocks of one request and one KV cache group between the pool and vLLM's KV cache: the
+    value of ``digests[i]`` (every rank appends its own rank to the key, and the group where
+    the model has several: ``pool.keys.pool_key``) is local block ``block_ids[i]``. A load of a
+    hybrid model is one per group. ``error``: a load that could not be planned, reported
+    failed by the workers with that reason."""
 
     req_id: str
     digests: list[str]
     block_ids: list[int]
+    group: int = 0
+    error: str | None = None
 
 
 @dataclass

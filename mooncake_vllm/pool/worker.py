@@ -3,7 +3,8 @@
 Setup: mounts ``global_segment_size`` of this process's DRAM into the pool and registers the KV
 cache tensors with the store, so puts read from and gets write into vLLM's blocks directly. One
 block's value in the pool is that block of every layer's K and V (every segment of
-``planning.tensor_segments``, in layer-name order), laid end to end.
+``planning.tensor_segments``, in layer-name order), laid end to end; for a hybrid model, of every
+layer of the block's KV cache group (``core.kv_groups``), under that group's key.
 
 Save: ``wait_for_save`` — called by vLLM after the step's forward pass, before the step's output
 leaves the worker — asks the pool which of the step's completed blocks it lacks and puts those.
@@ -27,13 +28,14 @@ from functools import partial
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from mooncake_vllm.core.kv_groups import KVGroup, group_segments
 from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWorkerMeta
 from mooncake_vllm.core.os_threads import name_this_thread, unpin
 from mooncake_vllm.core.planning import MemSegment, kv_cache_regions
 from mooncake_vllm.core.worker_stats import WorkerStats
 from mooncake_vllm.p2p.local_channels import WakeSender
 from mooncake_vllm.pool.config import PoolSettings
-from mooncake_vllm.pool.keys import block_keys, key_rank
+from mooncake_vllm.pool.keys import block_keys, group_key, key_rank
 from mooncake_vllm.pool.stats import PoolStats
 from mooncake_vllm.pool.step_metadata import BlockTransfer, PoolConnectorMetadata
 from mooncake_vllm.pool.store import RETRYABLE, PoolStore, describe
@@ -72,17 +74,20 @@ class PoolWorkerHalf:
         num_blocks: int,
         kv_replicated: bool = False,
         wake_endpoint: str | None = None,
+        kv_groups: tuple[KVGroup, ...] = (KVGroup(()),),
     ):
         """``kv_replicated``: every TP rank holds the same KV (MLA): rank 0 alone puts it, once
-        per engine, and every rank gets that copy."""
+        per engine, and every rank gets that copy. ``kv_groups``: the engine's KV cache
+        groups."""
         self._settings = settings
         self._is_producer, self._is_consumer = is_producer, is_consumer
         self._tp_rank, self._num_blocks = tp_rank, num_blocks
         self._key_rank = key_rank(tp_rank, kv_replicated)
         self._puts_blocks = self._key_rank == tp_rank
         self._store: PoolStore | None = None
-        self._segments: list[MemSegment] = []
-        self._block_bytes = 0
+        self._groups = kv_groups
+        self._segments: list[list[MemSegment]] = []  # per group: its layers' segments
+        self._block_bytes: list[int] = []  # per group: one block's value
         self._stats = WorkerStats(PoolStats)
         self._pool = ThreadPoolExecutor(
             _LOAD_THREADS, thread_name_prefix="mooncake-pool-get", initializer=_init_get_thread
@@ -97,34 +102,49 @@ class PoolWorkerHalf:
     # ---- setup ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        segments, tensors = kv_cache_regions(kv_caches, self._num_blocks)
+        owners: list[str] = []
+        segments, tensors = kv_cache_regions(kv_caches, self._num_blocks, owners=owners)
         storages = {addr: nbytes for addr, (nbytes, _) in tensors.items()}
-        self._segments = segments
-        self._block_bytes = sum(s.block_len for s in segments)
+        picks = group_segments(self._groups, owners)
+        self._segments = [[segments[i] for i in pick] for pick in picks]
+        self._block_bytes = [sum(s.block_len for s in segs) for segs in self._segments]
         s = self._settings
         self._store = PoolStore(s, s.global_segment_size, s.local_buffer_size)
         for addr, nbytes in sorted(storages.items()):
             self._store.register(addr, nbytes)
         logger.info(
-            "MooncakeStoreConnector worker rank %d: %d layers, %d segments, %d B/block; "
+            "MooncakeStoreConnector worker rank %d: %d layers, %d segments, %s B/block; "
             "mounted %d B into the pool at %s",
             self._tp_rank,
             len(kv_caches),
             len(segments),
-            self._block_bytes,
+            "/".join(map(str, self._block_bytes)),
             s.global_segment_size,
             s.master_server_address,
         )
 
-    def _ranges(self, block_ids: list[int]) -> list[tuple[list[int], list[int]]]:
-        return [block_ranges(self._segments, b) for b in block_ids]
+    def _parts(self, transfers: list[BlockTransfer]) -> tuple[list[str], list, list[int]]:
+        """The keys of ``transfers``' blocks on this rank, their ranges in vLLM's KV cache, and
+        each value's size."""
+        keys: list[str] = []
+        ranges: list[tuple[list[int], list[int]]] = []
+        sizes: list[int] = []
+        for t in transfers:
+            keys += block_keys(t.digests, self._key_rank, group_key(t.group, len(self._groups)))
+            ranges += [block_ranges(self._segments[t.group], b) for b in t.block_ids]
+            sizes += [self._block_bytes[t.group]] * len(t.block_ids)
+        return keys, ranges, sizes
 
     # ---- save ----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: PoolConnectorMetadata) -> None:
         self._saves = list(meta.saves)
+        loads: dict[str, list[BlockTransfer]] = {}  # a hybrid model's: one per group
         for load in meta.loads:
-            self._jobs.submit(load.req_id, partial(self._load, load), self._settings.load_timeout_s)
+            loads.setdefault(load.req_id, []).append(load)
+        for req_id, parts in loads.items():
+            job = partial(self._load, req_id, parts)
+            self._jobs.submit(req_id, job, self._settings.load_timeout_s)
 
     def wait_for_save(self) -> None:
         """Put this step's completed blocks that the pool lacks; never raises."""
@@ -132,11 +152,7 @@ class PoolWorkerHalf:
         if not saves or self._store is None or not self._puts_blocks:
             return
         start = time.monotonic()
-        keys: list[str] = []
-        block_ids: list[int] = []
-        for save in saves:
-            keys += block_keys(save.digests, self._key_rank)
-            block_ids += save.block_ids
+        keys, ranges, sizes = self._parts(saves)
         try:
             exists = self._store.exists(keys)
         except Exception as e:
@@ -147,25 +163,24 @@ class PoolWorkerHalf:
         if any(e < 0 for e in exists):
             # The master did not answer (-900 comes at once): a put would spend seconds
             # reconnecting inside this step, delaying every request in it. Count and move on.
-            self._count_put(0, skipped, len(todo), start)
+            self._count_put(0, 0, skipped, len(todo), start)
             self._warn_put(f"unreachable ({describe(min(exists))}): {len(todo)} blocks not put")
             return
         try:
-            codes = self._store.put(
-                [keys[i] for i in todo], self._ranges([block_ids[i] for i in todo])
-            )
+            codes = self._store.put([keys[i] for i in todo], [ranges[i] for i in todo])
         except Exception as e:
             codes = [str(e)] * len(todo)
         bad = [c for c in codes if c != 0]
         if bad:
             first = describe(bad[0]) if isinstance(bad[0], int) else bad[0]
             self._warn_put(f"put of {len(bad)} of {len(todo)} blocks failed (first: {first})")
-        self._count_put(len(todo) - len(bad), skipped, len(bad), start)
+        nbytes = sum(sizes[i] for i, c in zip(todo, codes, strict=True) if c == 0)
+        self._count_put(len(todo) - len(bad), nbytes, skipped, len(bad), start)
 
-    def _count_put(self, put: int, skipped: int, failed: int, start: float) -> None:
+    def _count_put(self, put: int, nbytes: int, skipped: int, failed: int, start: float) -> None:
         with self._stats.update() as stats:
             stats.count("put_blocks", put)
-            stats.count("put_bytes", put * self._block_bytes)
+            stats.count("put_bytes", nbytes)
             stats.count("put_skipped_blocks", skipped)
             stats.count("put_failures", failed)
             stats.sample("put_durations_s", time.monotonic() - start)
@@ -184,30 +199,31 @@ class PoolWorkerHalf:
 
     # ---- load ----------------------------------------------------------------------------
 
-    def _load(self, load: BlockTransfer, job: LoadJob[LoadOutcome]) -> LoadOutcome:
-        """Get the load's blocks; keys that failed in a way worth repeating (a get is
-        idempotent) are asked again while the job's deadline is ahead. Never raises."""
+    def _load(
+        self, req_id: str, loads: list[BlockTransfer], job: LoadJob[LoadOutcome]
+    ) -> LoadOutcome:
+        """Get the blocks of a request's loads (one per KV cache group); keys that failed in a
+        way worth repeating (a get is idempotent) are asked again while the job's deadline is
+        ahead. Never raises."""
         start, deadline = time.monotonic(), job.deadline_s
         try:
-            keys = block_keys(load.digests, self._key_rank)
+            if errors := [load.error for load in loads if load.error]:
+                raise RuntimeError(errors[0])
+            keys, ranges, sizes = self._parts(loads)
             todo = list(range(len(keys)))
             pause_s = _RETRY_PAUSE_S
             while True:
-                results = self._store.get(
-                    [keys[i] for i in todo], self._ranges([load.block_ids[i] for i in todo])
-                )
-                failed = [
-                    (i, n) for i, n in zip(todo, results, strict=True) if n != self._block_bytes
-                ]
+                results = self._store.get([keys[i] for i in todo], [ranges[i] for i in todo])
+                failed = [(i, n) for i, n in zip(todo, results, strict=True) if n != sizes[i]]
                 if not failed:
                     break
                 i, n = failed[0]
                 if any(n not in RETRYABLE for _, n in failed) or time.monotonic() >= deadline:
-                    what = describe(n) if n < 0 else f"{n} B, expected {self._block_bytes}"
+                    what = describe(n) if n < 0 else f"{n} B, expected {sizes[i]}"
                     raise RuntimeError(f"get of {keys[i]} returned {what}")
                 logger.info(
                     "request %s: get of %d blocks returned %s; asking again",
-                    load.req_id,
+                    req_id,
                     len(failed),
                     describe(n),
                 )
@@ -216,15 +232,10 @@ class PoolWorkerHalf:
                 todo = [i for i, _ in failed]
                 time.sleep(min(pause_s, max(0.0, deadline - time.monotonic())))
                 pause_s *= 2
-            return LoadOutcome(
-                load.req_id,
-                True,
-                blocks=len(keys),
-                nbytes=len(keys) * self._block_bytes,
-                duration_s=time.monotonic() - start,
-            )
+            took = time.monotonic() - start
+            return LoadOutcome(req_id, True, blocks=len(keys), nbytes=sum(sizes), duration_s=took)
         except Exception as e:
-            return LoadOutcome(load.req_id, False, reason=f"{type(e).__name__}: {e}")
+            return LoadOutcome(req_id, False, reason=f"{type(e).__name__}: {e}")
 
     def _overdue(self, job: LoadJob[LoadOutcome]) -> LoadOutcome:
         reason = (
