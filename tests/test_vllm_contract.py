@@ -76,7 +76,10 @@ INHERITED = {
     "get_loaded_kv_cache_group_ids": "all groups are loaded",
     "get_mem_pool_context": "vLLM's allocator: the registered KV cache is a plain tensor",
     "get_required_kvcache_layout": "vLLM's layout; the planner reads any from the tensors",
-    "handle_preemptions": "a preempted load keeps its pinned blocks until it settles",
+    # For connectors that save asynchronously (vLLM's OffloadingConnector): the pool's saves end
+    # in wait_for_save, within the step; a P2P lease pins a finished request's blocks; a load
+    # keeps its pinned blocks until it settles.
+    "handle_preemptions": "no save outlives its step: nothing to do before blocks are reused",
     "has_pending_block_frees": "blocks are freed through get_finished",
     "on_new_request": "nothing per new request",
     "register_finished_partial_tail": "no partial-block saving",
@@ -88,7 +91,9 @@ INHERITED = {
     "reset_capture_state": "no CUDA-graph capture state",
     "set_host_xfer_buffer_ops": "no host staging buffer through vLLM",
     "set_xfer_handshake_metadata_pp_aware": "forwards to set_xfer_handshake_metadata",
-    "supports_divergent_local_hybrid_hits": "no hybrid (multi-group) models",
+    # A hybrid model's recurrent (Mamba) state is refused at startup (core.kv_groups): there is
+    # no lagging state of ours to restore, so vLLM must not count on an external hit for it.
+    "supports_divergent_local_hybrid_hits": "the default (False): no recurrent state moved",
 }
 
 
@@ -540,3 +545,12 @@ def test_the_hybrid_allocator_hook_takes_the_same_parameters_there(vllm_files):
     for cls in (MooncakeConnector, MooncakeStoreConnector):
         assert issubclass(cls, SupportsHMA), cls.__name__
         assert _params(cls.request_finished_all_groups) == there, cls.__name__
+
+
+def test_neither_release_has_eagle_aware_block_hashes_yet(vllm_files):
+    """vLLM's ``Request.num_publishable_block_hashes`` (EAGLE-aware prefix hashing, in review)
+    would tell which of a request's blocks a connector may publish while a draft model's KV lags
+    behind. Neither 0.32 nor 0.33 has it, so the pool keys and saves every computed prompt block
+    (``pool.keys``). The day a release adds it this fails: use it there."""
+    source = vllm_files.path("vllm.v1.request").read_text()
+    assert "num_publishable_block_hashes" not in source, f"vLLM {vllm_files.version}"
