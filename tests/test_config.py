@@ -363,19 +363,40 @@ def test_layerwise_handoff_is_refused_at_startup_off_vllms_synchronous_cpu_backe
         check_layerwise(vllm_config)
 
 
-@pytest.mark.parametrize(("pp", "ok"), [(1, True), (2, False), (4, False)])
-def test_pipeline_parallel_is_refused_at_startup_naming_the_flag(pp, ok):
+@pytest.mark.parametrize(
+    ("pp", "layerwise", "refused"),
+    [
+        (1, False, None),
+        (2, False, None),
+        (4, False, None),
+        (1, True, None),
+        (2, True, r"--pipeline-parallel-size 2: layerwise_handoff .* to false"),
+    ],
+)
+def test_pipeline_parallel_starts_and_refuses_layerwise_handoff_naming_the_flag(
+    pp, layerwise, refused
+):
     from types import SimpleNamespace
 
-    from mooncake_vllm.p2p.connector import refuse_pipeline_parallel
+    from mooncake_vllm.p2p.connector import check_pipeline_parallel
 
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
-    if ok:
-        refuse_pipeline_parallel(vllm_config)
+    if refused is None:
+        assert check_pipeline_parallel(vllm_config, layerwise) == pp
         return
-    expected = rf"--pipeline-parallel-size {pp}: .* --pipeline-parallel-size 1"
-    with pytest.raises(ConfigError, match=expected):
-        refuse_pipeline_parallel(vllm_config)
+    with pytest.raises(ConfigError, match=refused):
+        check_pipeline_parallel(vllm_config, layerwise)
+
+
+def test_a_pipeline_parallel_engine_takes_two_ports_per_worker():
+    settings = load_settings({"prefill_url": "127.0.0.1:13000", "decode_url": "127.0.0.1:13008"})
+    cfg = resolve(settings, "kv_producer", "p", 2, pp_size=2)
+    assert cfg.ranks == 4 and cfg.rank(1, 1) == 3
+    assert [cfg.side_channel_port(r) for r in range(cfg.ranks)] == [13001, 13003, 13005, 13007]
+    assert cfg.engine_hostname(3) == "127.0.0.1:13006"
+    with pytest.raises(ConfigError, match=r"each side uses 8 ports .* \(tp_size 2 × pp_size 2\)"):
+        resolve(load_settings({"prefill_url": "127.0.0.1:13000", "decode_url": "127.0.0.1:13006"}),
+                "kv_producer", "p", 2, pp_size=2)  # fmt: skip
 
 
 def test_a_hybrid_model_is_refused_with_layerwise_handoff_and_a_mamba_group_at_all():

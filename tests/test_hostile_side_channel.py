@@ -62,7 +62,7 @@ class Producer:
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         self.server = SideChannelServer(
-            "127.0.0.1", port, self.table, lambda: ("seg", SEGMENTS), context=self.ctx
+            "127.0.0.1", port, self.table, lambda: ("seg", SEGMENTS, []), context=self.ctx
         )
         self.frames = self.dropped = 0
 

@@ -106,3 +106,18 @@ def test_the_store_binds_and_advertises_local_hostname_not_the_first_interface()
     assert (
         settings(local_hostname="10.0.0.2:12345").engine_env()["MC_TCP_BIND_ADDRESS"] == "10.0.0.2"
     )
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_pipeline_parallel_is_refused_for_the_pool_naming_the_flag(pp):
+    from types import SimpleNamespace
+
+    from mooncake_vllm.pool.connector import refuse_pipeline_parallel
+
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
+    if pp == 1:
+        refuse_pipeline_parallel(vllm_config)
+        return
+    expected = r"--pipeline-parallel-size 2: .* --pipeline-parallel-size 1"
+    with pytest.raises(ConfigError, match=expected):
+        refuse_pipeline_parallel(vllm_config)

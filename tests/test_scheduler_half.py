@@ -607,7 +607,7 @@ def engine_config(
         hf_text_config=fields["hf"],
         use_mla=mla_latent is not None,
         dtype="torch.float32",
-        get_num_layers=lambda pc: 2,
+        get_total_num_hidden_layers=lambda: 2,
         get_num_kv_heads=lambda pc: fields["kv_heads"],
         get_total_num_kv_heads=lambda: fields["kv_heads"],
         get_head_size=lambda: fields["head_size"],

@@ -582,7 +582,7 @@ def test_serve_ready_reads_a_bounded_batch_and_counts_its_drops():
     ctx = zmq.Context()
     port = free_port()
     server = SideChannelServer(
-        "127.0.0.1", port, LeaseTable(10.0, 1 << 30, 1.0), lambda: ("seg", []), context=ctx
+        "127.0.0.1", port, LeaseTable(10.0, 1 << 30, 1.0), lambda: ("seg", [], []), context=ctx
     )
     peer = ctx.socket(zmq.DEALER)
     peer.setsockopt(zmq.LINGER, 0)

@@ -98,7 +98,7 @@ def test_the_query_answer_has_upstreams_shape_and_parses_back():
         }
     }
     (producer,) = upstream.parse_query(json.loads(json.dumps(body))).values()
-    assert producer == upstream.Producer("e-1", "127.0.0.2", [13004, 13006])
+    assert producer == upstream.Producer("e-1", "127.0.0.2", [13004, 13006], 2, 1)
 
 
 @pytest.mark.parametrize(

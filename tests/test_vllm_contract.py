@@ -46,6 +46,7 @@ HOOKS = {
     "request_finished": ["self", "request", "block_ids"],
     "save_kv_layer": ["self", "layer_name", "kv_layer", "attn_metadata", "kwargs"],
     "set_xfer_handshake_metadata": ["self", "metadata"],
+    "set_xfer_handshake_metadata_pp_aware": ["self", "metadata"],
     "shutdown": ["self"],
     "start_load_kv": ["self", "forward_context", "kwargs"],
     "update_connector_output": ["self", "connector_output"],
@@ -90,7 +91,6 @@ INHERITED = {
     "reset_cache": "prefix cache reset needs nothing from us",
     "reset_capture_state": "no CUDA-graph capture state",
     "set_host_xfer_buffer_ops": "no host staging buffer through vLLM",
-    "set_xfer_handshake_metadata_pp_aware": "forwards to set_xfer_handshake_metadata",
     # A hybrid model's recurrent (Mamba) state is refused at startup (core.kv_groups): there is
     # no lagging state of ours to restore, so vLLM must not count on an external hit for it.
     "supports_divergent_local_hybrid_hits": "the default (False): no recurrent state moved",

@@ -38,7 +38,7 @@ def engine_kv_layout(vllm_config: VllmConfig, model_identity: str | None = None)
     from mooncake_vllm.core.model_identity import short_identity
 
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    layers = mc.get_num_layers(pc)
+    layers = mc.get_total_num_hidden_layers()  # all pipeline stages
     if (latent := _mla_latent(vllm_config)) is not None:
         kv = f"MLA latent {latent[0]}+{latent[1]}"
     else:
@@ -76,7 +76,9 @@ def engine_compat_hash(
     mla_latent = _mla_latent(vllm_config)
     return compat_hash(
         architectures=getattr(mc.hf_config, "architectures", None),
-        layers=mc.get_num_layers(pc),
+        # The model's, not this pipeline stage's (a stage holds its own layers; a grant names
+        # them, ``Granted.layers``), so that every stage and any PP size validate alike.
+        layers=mc.get_total_num_hidden_layers(),
         kv_heads=engine_kv_heads(vllm_config) if any_layout else mc.get_num_kv_heads(pc),
         head_size=mc.get_head_size(),
         use_mla=use_mla,

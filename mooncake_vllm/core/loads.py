@@ -52,8 +52,9 @@ class MooncakeWorkerMeta(KVConnectorWorkerMetadata):
 
 
 class BlockPins:
-    """Blocks under a pull, held with one extra reference in vLLM's block pool until every TP
-    rank has reported the load settled (see the module docstring)."""
+    """Blocks under a pull, held with one extra reference in vLLM's block pool until every
+    worker (``tp_size``: all of them, every pipeline stage's) has reported the load settled
+    (see the module docstring)."""
 
     def __init__(self, pool: BlockPool, tp_size: int):
         self._pool, self._tp_size = pool, tp_size

@@ -55,8 +55,8 @@ _MAX_ENTRY_BYTES = 1 << 16
 
 def query_entry(cfg: ConnectorConfig) -> dict:
     """This engine's ``/query`` entry: its DP rank, engine id and side channels."""
-    ports = [cfg.side_channel_port(r) for r in range(cfg.tp_size)]
-    return query_body(cfg.engine_id, cfg.dp_rank, cfg.host, ports)
+    ports = [cfg.side_channel_port(r) for r in range(cfg.ranks)]
+    return query_body(cfg.engine_id, cfg.dp_rank, cfg.host, ports, cfg.tp_size)
 
 
 def register_endpoint(host: str, port: int) -> str:

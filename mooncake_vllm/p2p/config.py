@@ -155,6 +155,17 @@ class ConnectorConfig:
     # others register with it (``p2p.bootstrap``).
     dp_rank: int = 0
     dp_local_rank: int = 0
+    # vLLM's pipeline parallelism: ``pp_size`` stages of ``tp_size`` workers each; worker rank
+    # ``pp_rank * tp_size + tp_rank`` has the ports ``2 * rank`` and ``2 * rank + 1``.
+    pp_size: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """This engine's workers: each has a transfer-engine port and a side-channel port."""
+        return self.tp_size * self.pp_size
+
+    def rank(self, tp_rank: int, pp_rank: int = 0) -> int:
+        return pp_rank * self.tp_size + tp_rank
 
     @property
     def is_producer(self) -> bool:
@@ -164,11 +175,13 @@ class ConnectorConfig:
     def is_consumer(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
 
-    def engine_hostname(self, tp_rank: int) -> str:
-        return f"{self.host}:{self.base_port + 2 * tp_rank}"
+    def engine_hostname(self, rank: int) -> str:
+        """The transfer-engine address of worker ``rank`` (``rank()``)."""
+        return f"{self.host}:{self.base_port + 2 * rank}"
 
-    def side_channel_port(self, tp_rank: int) -> int:
-        return self.base_port + 2 * tp_rank + 1
+    def side_channel_port(self, rank: int) -> int:
+        """The side-channel port of worker ``rank`` (``rank()``)."""
+        return self.base_port + 2 * rank + 1
 
     @property
     def serves_bootstrap(self) -> bool:
@@ -223,25 +236,29 @@ def resolve(
     *,
     dp_rank: int = 0,
     dp_local_rank: int = 0,
+    pp_size: int = 1,
 ) -> ConnectorConfig:
     """``dp_rank``, ``dp_local_rank``: vLLM's data parallel rank of this engine, of all and of
-    those on this host (its ports are the url's after the local ranks before it)."""
+    those on this host (its ports are the url's after the local ranks before it); ``pp_size``:
+    its pipeline stages (each of ``tp_size`` workers)."""
     role = check_role(role, "MooncakeConnector")
     own_key = "decode_url" if role == "kv_consumer" else "prefill_url"
     host, port = _host_port(own_key, getattr(settings, own_key))
-    port += 2 * tp_size * dp_local_rank
-    if port + 2 * tp_size > 65536:
+    workers = tp_size * pp_size
+    size = f"tp_size {tp_size}" + (f" × pp_size {pp_size}" if pp_size > 1 else "")
+    port += 2 * workers * dp_local_rank
+    if port + 2 * workers > 65536:
         raise ConfigError(
-            f"{own_key}={getattr(settings, own_key)!r}: port too high for tp_size {tp_size} "
+            f"{own_key}={getattr(settings, own_key)!r}: port too high for {size} "
             f"at local DP rank {dp_local_rank}"
         )
     p_host, p_port = _host_port("prefill_url", settings.prefill_url)
     d_host, d_port = _host_port("decode_url", settings.decode_url)
-    if p_host == d_host and abs(p_port - d_port) < 2 * tp_size:
+    if p_host == d_host and abs(p_port - d_port) < 2 * workers:
         raise ConfigError(
             f"prefill_url={settings.prefill_url!r} and decode_url={settings.decode_url!r} are on "
-            f"one host and each side uses {2 * tp_size} ports from its url's port; put the ports "
-            f"at least {2 * tp_size} apart"
+            f"one host and each side uses {2 * workers} ports from its url's port ({size}); put "
+            f"the ports at least {2 * workers} apart"
         )
     return ConnectorConfig(
         settings=settings,
@@ -253,6 +270,7 @@ def resolve(
         **_bootstrap_address(settings, env, role),
         dp_rank=dp_rank,
         dp_local_rank=dp_local_rank,
+        pp_size=pp_size,
     )
 
 

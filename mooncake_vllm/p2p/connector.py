@@ -54,6 +54,7 @@ class MooncakeHandshake(KVConnectorHandshakeMetadata):
     te_segment: str
     segments: list[MemSegment]
     worker_pid: int
+    layers: list[str]  # each segment's layer: a pipeline stage holds its own
 
 
 def check_layerwise(vllm_config: VllmConfig) -> None:
@@ -71,20 +72,21 @@ def check_layerwise(vllm_config: VllmConfig) -> None:
         )
 
 
-def refuse_pipeline_parallel(vllm_config: VllmConfig) -> None:
-    """Pipeline parallel stops vLLM at startup, saying so: each PP stage holds its own layers,
-    and neither the side channel (one address per TP rank), the handoff nor ``/query`` names a
-    stage yet. Without this the second stage's worker failed binding the first's side channel
-    with a message about another engine on the host, and the engine lingered minutes."""
+def check_pipeline_parallel(vllm_config: VllmConfig, layerwise: bool) -> int:
+    """The engine's pipeline stages. Each stage's workers have ports of their own (worker rank
+    ``pp_rank * tp_size + tp_rank``); a producer's handoffs and ``/query`` name every rank, and
+    a grant names the layers its stage holds, so each stage of a consumer, of any PP size,
+    reads each of its layers from the producer stage that has it. ``layerwise_handoff`` (its
+    marks are by segment order of one stage) stops vLLM at startup, naming the flag."""
     from mooncake_vllm.core.settings import ConfigError
 
     pp = vllm_config.parallel_config.pipeline_parallel_size
-    if pp > 1:
+    if pp > 1 and layerwise:
         raise ConfigError(
-            f"--pipeline-parallel-size {pp}: MooncakeConnector does not move KV between "
-            "pipeline-parallel engines yet; serve the prefill and the decode with "
-            "--pipeline-parallel-size 1 (tensor parallel is supported on either side)"
+            f"--pipeline-parallel-size {pp}: layerwise_handoff marks the layers of one "
+            "pipeline stage; set layerwise_handoff to false"
         )
+    return pp
 
 
 def engine_kv_groups(kv_cache_config: KVCacheConfig | None, layerwise: bool):
@@ -116,8 +118,8 @@ class MooncakeConnector(HalvesConnector, SupportsHMA):
 
     def _build_halves(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None):
         ktc = vllm_config.kv_transfer_config
-        refuse_pipeline_parallel(vllm_config)
         settings = load_settings(ktc.kv_connector_extra_config)
+        pp_size = check_pipeline_parallel(vllm_config, settings.layerwise_handoff)
         probe = self._prepare_process(settings)
         parallel = vllm_config.parallel_config
         self._cfg = resolve(
@@ -126,6 +128,7 @@ class MooncakeConnector(HalvesConnector, SupportsHMA):
             ktc.engine_id or "mooncake",
             parallel.tensor_parallel_size,
             **vllm_glue.data_parallel_ranks(parallel),
+            pp_size=pp_size,
         )
         self._scheduler: SchedulerHalf | None = None
         self._worker = None
@@ -153,7 +156,10 @@ class MooncakeConnector(HalvesConnector, SupportsHMA):
                 kv_groups=groups,
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
 
             from mooncake_vllm.p2p.worker import WorkerHalf  # needs torch; workers only
 
@@ -172,6 +178,7 @@ class MooncakeConnector(HalvesConnector, SupportsHMA):
                 block_size=vllm_config.cache_config.block_size,
                 kv_format=kv_format,
                 kv_groups=groups,
+                pp_rank=get_pp_group().rank_in_group,
             )
 
     def request_finished_all_groups(
@@ -203,13 +210,21 @@ class MooncakeConnector(HalvesConnector, SupportsHMA):
         vllm_glue.arm_group_signal_hold()
         if self._worker is None or self._worker.te_segment is None:
             return None
-        return MooncakeHandshake(self._worker.te_segment, self._worker.segments, os.getpid())
+        return MooncakeHandshake(
+            self._worker.te_segment, self._worker.segments, os.getpid(), self._worker.layers
+        )
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Every worker's layout, by worker rank (one pipeline stage: the TP rank)."""
         layouts = {
-            rank: RankLayout(m.te_segment, list(m.segments), m.worker_pid)
+            rank: RankLayout(m.te_segment, list(m.segments), m.worker_pid, list(m.layers))
             for rank, m in metadata.items()
             if isinstance(m, MooncakeHandshake)
         }
         if self._scheduler is not None:
             self._scheduler.set_layouts(layouts)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """vLLM's hook, keyed by ``(pp_rank, tp_rank)``: each stage's workers by worker rank."""
+        tp = self._cfg.tp_size
+        self.set_xfer_handshake_metadata({pp * tp + t: m for (pp, t), m in metadata.items()})

@@ -21,6 +21,10 @@ from mooncake_vllm.core.prompt_identity import request_identity
 PROTOCOL_VERSION = 1
 
 
+# Pipeline stages a handoff may name (vLLM's own limit is the model's layer count).
+MAX_PP_SIZE = 64
+
+
 class HandoffError(ValueError):
     """``kv_transfer_params`` that cannot be used for a pull."""
 
@@ -33,11 +37,14 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     version: int = PROTOCOL_VERSION
     transfer_id: str
     producer_engine_id: str
-    # Where to reach the producer, one port per TP rank. Empty: look the producer up by
-    # ``producer_engine_id`` in the engine registry (needs a metadata store on the consumer).
+    # Where to reach the producer, one port per worker rank (PP rank × TP size + TP rank).
+    # Empty: look the producer up by ``producer_engine_id`` in the engine registry (needs a
+    # metadata store on the consumer).
     side_channel_host: str = ""
     side_channel_ports: list[int] = []
     producer_tp_size: int
+    # Pipeline parallel: each stage's workers hold that stage's layers (a grant names them).
+    producer_pp_size: int = 1
     remote_block_ids: list[int]
     # A hybrid model's KV cache groups 1.. (``remote_block_ids`` is group 0): each group's
     # prompt blocks by position, the null block (0) where a sliding window had freed one.
@@ -100,6 +107,7 @@ class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):
     side_channel_host: str = ""
     side_channel_ports: list[int] = []
     producer_tp_size: int = 0
+    producer_pp_size: int = 1
     bootstrap_addr: str = ""
 
     @property
@@ -159,10 +167,14 @@ def _check_producer(h: Handoff | PendingHandoff) -> None:
         raise HandoffError("empty producer_engine_id")
     if h.producer_tp_size < 1:
         raise HandoffError(f"producer_tp_size {h.producer_tp_size} must be at least 1")
-    if h.side_channel_ports and len(h.side_channel_ports) != h.producer_tp_size:
+    if not 1 <= h.producer_pp_size <= MAX_PP_SIZE:
+        raise HandoffError(f"producer_pp_size {h.producer_pp_size} must be 1..{MAX_PP_SIZE}")
+    ranks = h.producer_tp_size * h.producer_pp_size
+    if h.side_channel_ports and len(h.side_channel_ports) != ranks:
         raise HandoffError(
             f"{len(h.side_channel_ports)} side_channel_ports for producer_tp_size "
-            f"{h.producer_tp_size} (one port per producer TP rank)"
+            f"{h.producer_tp_size} × producer_pp_size {h.producer_pp_size} (one port per "
+            "producer worker)"
         )
 
 
@@ -317,6 +329,10 @@ class Granted(msgspec.Struct, tag=_tag("granted"), frozen=True):
     # ALL_LAYERS: the prefill has finished, every layer can be read. Else (a ``layers_ok``
     # acquire) a bitmask of the layers, in segment order, whose KV is written so far.
     ready: int = ALL_LAYERS
+    # Each segment's layer (vLLM's layer name): a consumer whose layers differ from this
+    # rank's (a pipeline-parallel stage on either side) reads the layers both hold. Empty from
+    # a producer before pipeline parallel: its segments are every layer, in name order.
+    layers: list[str] = []
 
 
 class Refused(msgspec.Struct, tag=_tag("refused"), frozen=True):

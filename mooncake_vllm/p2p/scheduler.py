@@ -320,7 +320,7 @@ class SchedulerHalf:
         if self._cfg.is_producer and self._keeper.active:
             self._keeper.bind(pool)
         if self._cfg.is_consumer:
-            self._pins = BlockPins(pool, self._cfg.tp_size)
+            self._pins = BlockPins(pool, self._cfg.ranks)  # every worker settles a load
 
     def has_pending_work(self) -> bool:
         """Loads still pinned: vLLM must keep stepping (resting in between) until the workers
@@ -536,8 +536,9 @@ class SchedulerHalf:
             transfer_id=transfer_id,
             producer_engine_id=self._cfg.engine_id,
             side_channel_host=self._cfg.host,
-            side_channel_ports=[self._cfg.side_channel_port(r) for r in range(self._cfg.tp_size)],
+            side_channel_ports=[self._cfg.side_channel_port(r) for r in range(self._cfg.ranks)],
             producer_tp_size=self._cfg.tp_size,
+            producer_pp_size=self._cfg.pp_size,
             remote_block_ids=block_ids,
             group_block_ids=groups or [],
             prompt_len=request.num_prompt_tokens,

@@ -193,7 +193,7 @@ class SideChannelServer:
         host: str,
         port: int,
         leases: LeaseTable,
-        layout: Callable[[], tuple[str, list[MemSegment]]],
+        layout: Callable[[], tuple[str, list[MemSegment], list[str]]],
         *,
         context: zmq.Context,
         keys: Keys = (),
@@ -332,10 +332,12 @@ class SideChannelServer:
         ready: int = ALL_LAYERS,
     ) -> None:
         """``Granted``; to a pending acquire with the lease's ``handoff`` and ready layers."""
-        segment, segments = self._layout()
+        segment, segments, layers = self._layout()
         if self._on_grant is not None:
             self._on_grant(frame.transfer_id)
-        granted = Granted(frame.transfer_id, segment, segments, self._incarnation, handoff, ready)
+        granted = Granted(
+            frame.transfer_id, segment, segments, self._incarnation, handoff, ready, layers
+        )
         self._send(identity, nonce, granted)
 
     def _wait_deadline(self, frame: Acquire | Await) -> float:

@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from mooncake_vllm.p2p.protocol import (
+    MAX_PP_SIZE,
     Handoff,
     HandoffError,
     PendingHandoff,
@@ -130,13 +131,21 @@ def worker_addr(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-def query_body(engine_id: str, dp_rank: int, host: str, ports: list[int]) -> dict[str, Any]:
-    """The ``/query`` answer of one engine (one data-parallel rank), in upstream's shape. We have
-    no pipeline parallelism: every TP rank has one worker, at PP rank 0."""
+def query_body(
+    engine_id: str, dp_rank: int, host: str, ports: list[int], tp_size: int | None = None
+) -> dict[str, Any]:
+    """The ``/query`` answer of one engine (one data-parallel rank), in upstream's shape:
+    ``worker_addr[tp_rank][pp_rank]``; ``ports`` by worker rank (PP rank × ``tp_size`` + TP
+    rank; ``tp_size`` None: one pipeline stage)."""
+    tp = tp_size or len(ports)
+    stages = range(len(ports) // tp)
     return {
         str(dp_rank): {
             "engine_id": engine_id,
-            "worker_addr": {str(r): {"0": worker_addr(host, p)} for r, p in enumerate(ports)},
+            "worker_addr": {
+                str(t): {str(s): worker_addr(host, ports[s * tp + t]) for s in stages}
+                for t in range(tp)
+            },
         }
     }
 
@@ -147,7 +156,9 @@ class Producer:
 
     engine_id: str
     side_channel_host: str
-    side_channel_ports: list[int]
+    side_channel_ports: list[int]  # by worker rank: PP rank × TP size + TP rank
+    tp_size: int = 0  # 0: one per port
+    pp_size: int = 1
 
 
 def parse_query(data: object) -> dict[str, Producer]:
@@ -161,13 +172,22 @@ def parse_query(data: object) -> dict[str, Producer]:
             ranks = {int(tp): tps for tp, tps in entry["worker_addr"].items()}
             if not isinstance(engine_id, str) or sorted(ranks) != list(range(len(ranks))):
                 raise ValueError("engine_id or TP ranks")
-            addrs = [_split_worker_addr(min(ranks[r].items())[1]) for r in range(len(ranks))]
+            stages = {int(pp) for tps in ranks.values() for pp in tps}
+            if sorted(stages) != list(range(len(stages))) or len(stages) > MAX_PP_SIZE:
+                raise ValueError(f"PP ranks {sorted(stages)[:8]}")
+            addrs = [
+                _split_worker_addr({int(pp): a for pp, a in ranks[t].items()}[s])
+                for s in range(len(stages))
+                for t in range(len(ranks))
+            ]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise HandoffError(f"/query entry of DP rank {dp_rank} is malformed ({e})") from e
         hosts = {h for h, _ in addrs}
         if len(hosts) != 1 or not addrs:
             raise HandoffError(f"/query entry of DP rank {dp_rank}: TP ranks on hosts {hosts}")
-        out[engine_id] = Producer(engine_id, hosts.pop(), [p for _, p in addrs])
+        out[engine_id] = Producer(
+            engine_id, hosts.pop(), [p for _, p in addrs], len(ranks), len(stages)
+        )
     return out
 
 
@@ -218,7 +238,8 @@ class BootstrapResolver:
             producer_engine_id=engine_id,
             side_channel_host=producer.side_channel_host,
             side_channel_ports=list(producer.side_channel_ports),
-            producer_tp_size=len(producer.side_channel_ports),
+            producer_tp_size=producer.tp_size or len(producer.side_channel_ports),
+            producer_pp_size=producer.pp_size,
             bootstrap_addr=pending.bootstrap_addr,
         )
 

@@ -153,6 +153,7 @@ class _Source(NamedTuple):
 
     heads: list[int]  # read there (none: the lease is only acquired and released)
     readers: int  # consumer ranks that acquire that rank's lease
+    tp_rank: int  # that rank's TP rank (its pipeline stage's workers have one each)
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,11 @@ class WorkerHalf:
         block_size: int | None = None,
         kv_format: str = "",
         kv_groups: tuple[KVGroup, ...] = (KVGroup(()),),
+        pp_rank: int = 0,
     ):
-        """``kv_heads``: the model's KV heads, all ranks (1 for an MLA latent); ``block_size``:
+        """``pp_rank``: this worker's pipeline stage (its ports are those of worker rank
+        ``cfg.rank(tp_rank, pp_rank)``); ``kv_heads``: the model's KV heads, all ranks (1 for
+        an MLA latent); ``block_size``:
         this engine's (None: whole-block copies from a producer of the same layout only);
         ``kv_format``: how its blocks keep their tokens (``vllm_glue.kv_format``);
         ``kv_groups``: the KV cache groups (``core.kv_groups``), each read with its own blocks
@@ -192,6 +196,12 @@ class WorkerHalf:
         self._groups = kv_groups
         self._group_segments: list[list[int]] = []  # per group: its layers' segment indices
         self._tp_rank = tp_rank
+        self._rank = cfg.rank(tp_rank, pp_rank)
+        # A grant while the prefill computes names written layers in the producer's segment
+        # order; a consumer of several pipeline stages holds other segments: it is granted once
+        # every layer is written.
+        self._layers_ok = cfg.pp_size == 1
+        self._owners: list[str] = []  # each segment's layer
         # MLA: the latent is the same on every TP rank (see planning.producer_rank_for).
         self._kv_replicated = kv_replicated
         self._kv_heads = kv_heads
@@ -255,6 +265,7 @@ class WorkerHalf:
             owners=owners,
         )
         self._group_segments = group_segments(self._groups, owners)
+        self._owners = owners
         storages = {a: (n, _memory_location(t)) for a, (n, t) in tensors.items()}
         self._segments = segments
         self._bytes_per_block = sum(s.block_len for s in segments)
@@ -264,9 +275,9 @@ class WorkerHalf:
             # Claimed first, so a second engine configured with the same address fails here,
             # before its transfer engine can publish metadata over ours. The side channel itself
             # is served by the scheduler half (leases.client).
-            side_channel = f"{cfg.host}:{cfg.side_channel_port(self._tp_rank)}"
+            side_channel = f"{cfg.host}:{cfg.side_channel_port(self._rank)}"
             try:
-                self._claim = claim(cfg.host, cfg.side_channel_port(self._tp_rank))
+                self._claim = claim(cfg.host, cfg.side_channel_port(self._rank))
             except zmq.ZMQError as e:
                 raise SideChannelError(
                     f"another engine on this host uses {side_channel} ({e}); set "
@@ -280,13 +291,13 @@ class WorkerHalf:
                 ttl_s=s.metadata_ttl_s,
                 auth=s.metadata_auth,
                 scope=KeyScope.for_engine(
-                    cfg.engine_id, self._tp_rank, cfg.engine_hostname(self._tp_rank)
+                    cfg.engine_id, self._rank, cfg.engine_hostname(self._rank)
                 ),
             )
             metadata_arg = self._bridge.url
         try:
             self._engine = TransferAgent(
-                cfg.engine_hostname(self._tp_rank),
+                cfg.engine_hostname(self._rank),
                 metadata_arg,
                 s.protocol,
                 s.device_name,
@@ -312,22 +323,22 @@ class WorkerHalf:
             record = EngineRecord(
                 engine_id=cfg.engine_id,
                 role=cfg.role,
-                tp_rank=self._tp_rank,
-                tp_size=cfg.tp_size,
+                tp_rank=self._rank,
+                tp_size=cfg.ranks,
                 side_channel=side_channel,
                 te_segment=self._engine.segment_name,
                 compat_hash=self._compat_hash,
             )
             self._bridge.publish(
-                registry_key(cfg.engine_id, self._tp_rank),
+                registry_key(cfg.engine_id, self._rank),
                 seal_record(self._keys, encode_record(record)),
             )
-            if self._tp_rank == 0:
+            if self._rank == 0:
                 self._publish_serving_url()
         logger.info(
             "MooncakeConnector worker rank %d (%s): %d layers, %d segments, %d B/block, "
             "%d KV cache group(s) (%s), engine %s, side channel %s, metadata %s",
-            self._tp_rank,
+            self._rank,
             cfg.role,
             len(kv_caches),
             len(segments),
@@ -362,7 +373,7 @@ class WorkerHalf:
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
-        done = LayerDone(meta.layers_token, self._tp_rank, layer, meta.layer_marks)
+        done = LayerDone(meta.layers_token, self._rank, layer, meta.layer_marks)
         # ZMQError: the lease server is gone or behind; the finish still hands over.
         with contextlib.suppress(zmq.ZMQError):
             self._marks_out.send(encode(done), zmq.NOBLOCK)
@@ -396,6 +407,11 @@ class WorkerHalf:
     @property
     def segments(self) -> list[MemSegment]:
         return list(self._segments)
+
+    @property
+    def layers(self) -> list[str]:
+        """Each segment's layer (a pipeline stage holds its own)."""
+        return list(self._owners)
 
     # ---- every step ----------------------------------------------------------------------
 
@@ -499,7 +515,10 @@ class WorkerHalf:
                 raise PullFailed(load.error)
             assert h is not None and self._engine is not None
             out = _Totals()
-            for rank, (heads, readers) in self._sources(h).items():
+            # Our segments a pipeline stage read from holds (when a grant names its layers).
+            covered: set[int] = set()
+            staged = False
+            for rank, (heads, readers, tp_rank) in self._sources(h).items():
                 address = self._producer_address(h, rank)
                 # Only the holder of this token can release the lease this acquire pins.
                 owner = secrets.token_bytes(OWNER_BYTES)
@@ -530,10 +549,20 @@ class WorkerHalf:
                     h = self._granted_handoff(h, reply, load)
                     load = dataclasses.replace(load, handoff=h, remote_block_ids=h.remote_block_ids)
                 pull = _Pull(load, h, job, out)
+                if heads:
+                    held = self._stage_segments(reply)
+                    covered |= set(range(len(self._owners))) if held is None else set(held)
+                    staged |= held is not None
                 if reply.ready != ALL_LAYERS:  # the prefill computes: take layers as they come
-                    self._read_layers(pull, rank, heads, reply, address, owner)
+                    self._read_layers(pull, tp_rank, heads, reply, address, owner)
                 elif heads:
-                    self._read(pull, rank, heads, reply)
+                    self._read(pull, tp_rank, heads, reply)
+            missing = sorted(set(self._owners) - {self._owners[i] for i in covered})
+            if staged and missing:
+                raise PullFailed(
+                    f"no stage of the producer ({h.producer_pp_size} pipeline stage(s)) holds "
+                    f"layer(s) {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+                )
             succeeded = True
             logger.debug(
                 "request %s: pulled %d blocks (%d B, %d entries) from %d producer rank(s): "
@@ -634,10 +663,23 @@ class WorkerHalf:
                 f"granted by incarnation {reply.incarnation!r} of the producer, the handoff "
                 f"is from {h.producer_incarnation!r}"
             )
+        held = self._stage_segments(reply)  # a pipeline stage's layers: those it holds
         if self._block_size is not None and h.block_size != self._block_size:
+            if held is not None:
+                raise PullFailed(
+                    f"block size {h.block_size} at the producer, {self._block_size} here: a "
+                    "pipeline-parallel engine's KV moves at one block size (set "
+                    "--block-size alike on both sides)"
+                )
             self._read_reblocked(pull, rank, heads, reply)
             return
         src, dst = reply.segments, self._segments
+        if held == {}:
+            return  # a stage of the producer with none of our layers
+        if held is not None:  # by our segment index: a list with a hole where a stage lacks one
+            if layers is not None:
+                raise PullFailed("layer-by-layer reads from a pipeline stage are not supported")
+            src = [src[held[i]] if i in held else None for i in range(len(dst))]
         # Each KV cache group: its producer blocks, its local blocks, where they start.
         fills = [(load.remote_block_ids, load.local_block_ids, load.first_token, None)]
         if load.groups or len(self._groups) > 1 or self._groups[0].sliding_window:
@@ -672,6 +714,11 @@ class WorkerHalf:
                 if len(src) != len(dst):
                     raise PullFailed(f"{len(src)} remote segments vs {len(dst)} local ones")
                 g_src, g_dst = [src[i] for i in layers], [dst[i] for i in layers]
+            if held is not None:  # only the segments this stage holds
+                pairs = [(s, d) for s, d in zip(g_src, g_dst, strict=True) if s is not None]
+                if not pairs:
+                    continue
+                g_src, g_dst = [s for s, _ in pairs], [d for _, d in pairs]
             regions += plan_pull(
                 g_src,
                 g_dst,
@@ -774,14 +821,48 @@ class WorkerHalf:
         """The producer ranks whose lease this rank acquires, each with the heads it reads
         there (none: acquired only to be released, so the lease ends) and the lease's readers."""
         producer_tp, tp = h.producer_tp_size, self._cfg.tp_size
-        if self._kv_replicated:  # one lease for all ranks: acquire it where the latent is read
-            return {producer_rank_for(self._tp_rank, tp, producer_tp, True): _Source([0], tp)}
+        stages = range(h.producer_pp_size)  # each stage's ranks hold its layers
+        # Every stage of ours acquires every producer rank it reads heads at (a stage whose
+        # layers are not there reads nothing, and releases).
+        ours = self._cfg.pp_size
+        if self._kv_replicated:  # one lease per stage: acquire it where the latent is read
+            p = producer_rank_for(self._tp_rank, tp, producer_tp, True)
+            return {s * producer_tp + p: _Source([0], tp * ours, p) for s in stages}
         heads = head_sources(self._kv_heads, producer_tp, tp, self._tp_rank)
         return {
-            p: _Source([x for x, q in heads.items() if q == p], len(ranks))
+            s * producer_tp + p: _Source(
+                [x for x, q in heads.items() if q == p], len(ranks) * ours, p
+            )
+            for s in stages
             for p, ranks in lease_readers(self._kv_heads, producer_tp, tp).items()
             if self._tp_rank in ranks
         }
+
+    def _stage_segments(self, reply: Granted) -> dict[int, int] | None:
+        """This rank's segments that a producer rank's grant holds, by index, to the index of
+        the same layer's segment there; None when it holds every layer of ours in our order (a
+        producer of one pipeline stage, or one from before pipeline parallel)."""
+        if not reply.layers or reply.layers == self._owners:
+            return None
+        if len(reply.layers) != len(reply.segments):
+            raise PullFailed(f"{len(reply.layers)} layer names for {len(reply.segments)} segments")
+        theirs: dict[str, list[int]] = {}
+        for i, name in enumerate(reply.layers):
+            theirs.setdefault(name, []).append(i)
+        ours: dict[str, list[int]] = {}
+        for i, name in enumerate(self._owners):
+            ours.setdefault(name, []).append(i)
+        out: dict[int, int] = {}
+        for name, mine in ours.items():
+            there = theirs.get(name)
+            if there is None:
+                continue  # another stage's layer
+            if len(there) != len(mine):
+                raise PullFailed(
+                    f"layer {name}: {len(there)} segments at the producer, {len(mine)} here"
+                )
+            out.update(zip(mine, there, strict=True))
+        return out
 
     def _producer_address(self, h: Handoff, rank: int) -> str:
         """The side channel of producer rank ``rank``: named in the handoff, or looked up by
@@ -837,7 +918,7 @@ class WorkerHalf:
                 readers,
                 "",
                 wait_ms=wait_ms,
-                layers_ok=True,
+                layers_ok=self._layers_ok,
                 prompt_digest=prompt_digest,
             )
         else:
@@ -850,7 +931,7 @@ class WorkerHalf:
                 owner,
                 readers,
                 h.producer_incarnation,
-                layers_ok=True,
+                layers_ok=self._layers_ok,
             )
         reply = self._client.call(
             address, frame, timeout_s=max(0.1, timeout_s), cancelled=cancelled
@@ -865,14 +946,16 @@ class WorkerHalf:
         h = reply.handoff
         if h is None or h.transfer_id != pending.transfer_id:
             raise PullFailed("the producer granted a pending acquire without its handoff")
-        if (h.producer_engine_id, h.producer_tp_size) != (
+        if (h.producer_engine_id, h.producer_tp_size, h.producer_pp_size) != (
             pending.producer_engine_id,
             pending.producer_tp_size,
+            pending.producer_pp_size,
         ):
             raise PullFailed(
                 f"the pending handoff named producer {pending.producer_engine_id!r} (TP "
-                f"{pending.producer_tp_size}); {h.producer_engine_id!r} (TP "
-                f"{h.producer_tp_size}) holds the transfer"
+                f"{pending.producer_tp_size}, PP {pending.producer_pp_size}); "
+                f"{h.producer_engine_id!r} (TP {h.producer_tp_size}, PP {h.producer_pp_size}) "
+                "holds the transfer"
             )
         try:
             validate_handoff(h, **load.checks)

@@ -50,6 +50,19 @@ def pool_kv_groups(kv_cache_config: KVCacheConfig | None) -> tuple[KVGroup, ...]
         raise ConfigError(f"{e}; this model cannot be served through MooncakeStoreConnector") from e
 
 
+def refuse_pipeline_parallel(vllm_config: VllmConfig) -> None:
+    """A pool block's value is every layer of the engine (its key names the TP rank only): a
+    pipeline stage holds half of them, and two stages would put different values under one key.
+    Stops vLLM at startup naming the flag (the P2P connector serves pipeline parallel)."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise ConfigError(
+            f"--pipeline-parallel-size {pp}: MooncakeStoreConnector keys a block's KV of every "
+            "layer by TP rank, not by pipeline stage; serve pool engines with "
+            "--pipeline-parallel-size 1 (MooncakeConnector, P2P, serves pipeline parallel)"
+        )
+
+
 class MooncakeStoreConnector(HalvesConnector, SupportsHMA):
     """``SupportsHMA``: vLLM keeps its hybrid memory allocator on, so a sliding-window model's
     groups keep (and the pool stores and loads) a window's blocks (``pool.keys``)."""
@@ -62,6 +75,7 @@ class MooncakeStoreConnector(HalvesConnector, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         settings: PoolSettings = load_settings(ktc.kv_connector_extra_config, model=PoolSettings)
         check_role(ktc.kv_role, "MooncakeStoreConnector")
+        refuse_pipeline_parallel(vllm_config)
         check_reachable(settings)
         probe = self._prepare_process(settings)
         # Where the workers tell the scheduler half a load ended.

@@ -62,8 +62,9 @@ MAX_READERS = 64
 class LeaseService:
     def __init__(self, cfg: ConnectorConfig, wake_endpoint: str, kv_replicated: bool = False):
         s = cfg.settings
-        self._tp_size = cfg.tp_size
-        self._tables = 1 if kv_replicated else cfg.tp_size
+        self._ranks = cfg.ranks
+        # A replicated MLA latent: one table per pipeline stage, shared by its TP ranks.
+        self._tables = cfg.pp_size if kv_replicated else cfg.ranks
         self._max_readers = MAX_READERS
         # This start of the engine: handoffs carry it, and a restarted producer on the same
         # address refuses the ones of its previous life (``SideChannelServer``).
@@ -87,14 +88,14 @@ class LeaseService:
         self._reasons: Counter[str] = Counter()
         self._finished: set[str] = set()
         self._gone_at: float | None = None  # when the lease server was found gone
-        self.addresses = [f"{cfg.host}:{cfg.side_channel_port(r)}" for r in range(cfg.tp_size)]
+        self.addresses = [f"{cfg.host}:{cfg.side_channel_port(r)}" for r in range(cfg.ranks)]
         # ``layerwise_handoff``: the token the workers' layer marks carry (step metadata).
         self.layers_token = secrets.token_bytes(16) if s.layerwise_handoff else b""
 
         self._proc, self._conn = spawn_child("mooncake_vllm.p2p.leases.process")
         start = Start(
             host=cfg.host,
-            ports=[cfg.side_channel_port(r) for r in range(cfg.tp_size)],
+            ports=[cfg.side_channel_port(r) for r in range(cfg.ranks)],
             tables=self._tables,
             ttl_s=s.lease_ttl_s,
             budget_bytes=s.kv_buffer_size,
@@ -126,11 +127,11 @@ class LeaseService:
             raise
 
     def set_layouts(self, layouts: dict[int, RankLayout]) -> None:
-        missing = set(range(self._tp_size)) - set(layouts)
+        missing = set(range(self._ranks)) - set(layouts)
         if missing:
             raise RuntimeError(f"no KV layout from producer worker rank(s) {sorted(missing)}")
         self._layouts = dict(layouts)
-        self._send(Layouts([layouts[r] for r in range(self._tp_size)]))
+        self._send(Layouts([layouts[r] for r in range(self._ranks)]))
 
     def hold(
         self,
@@ -150,7 +151,7 @@ class LeaseService:
             req_id,
             transfer_id,
             block_ids,
-            table_bytes=per_rank[: self._tables],
+            table_bytes=per_rank[:: self._ranks // self._tables],  # each table's first rank
             max_readers=self._max_readers,
             handoff=handoff,
             computing=computing,
@@ -171,8 +172,8 @@ class LeaseService:
             return  # gone: ``take_finished`` frees the blocks after the longest pull
 
     def _rank_bytes(self, blocks: int) -> list[int]:
-        """The bytes ``blocks`` blocks take on each TP rank."""
-        return [blocks * self._layouts[r].bytes_per_block for r in range(self._tp_size)]
+        """The bytes ``blocks`` blocks take on each worker rank."""
+        return [blocks * self._layouts[r].bytes_per_block for r in range(self._ranks)]
 
     def take_finished(self) -> set[str]:
         """Requests whose lease has ended in every table: their blocks can be freed."""

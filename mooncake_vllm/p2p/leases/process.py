@@ -64,11 +64,13 @@ _DROP_LOG_INTERVAL_S = 10.0
 
 
 class RankLayout(msgspec.Struct, frozen=True):
-    """Where one producer rank's blocks are: its transfer-engine segment and memory layout."""
+    """Where one producer rank's blocks are: its transfer-engine segment and memory layout, and
+    each segment's layer (a pipeline stage holds its own layers)."""
 
     te_segment: str
     segments: list[MemSegment]
     worker_pid: int
+    layers: list[str] = []
 
     @property
     def bytes_per_block(self) -> int:
@@ -80,8 +82,10 @@ class RankLayout(msgspec.Struct, frozen=True):
 
 class Start(msgspec.Struct, tag="start", frozen=True, kw_only=True):
     host: str
-    ports: list[int]  # side channel of TP rank r
-    tables: int  # one per TP rank, or one shared by all ranks (a replicated MLA latent)
+    ports: list[int]  # side channel of worker rank r (PP rank × TP size + TP rank)
+    # One per rank, or one per pipeline stage shared by its TP ranks (a replicated MLA latent):
+    # rank r's is table r // (len(ports) // tables).
+    tables: int
     ttl_s: float
     budget_bytes: int
     pull_hold_s: float
@@ -201,10 +205,11 @@ class LeaseServer:
                     SideChannelServer(
                         start.host,
                         port,
-                        self._tables[rank % start.tables],
+                        self._tables[rank // marks_needed],
                         layout=lambda r=rank: (
                             self._layouts[r].te_segment,
                             self._layouts[r].segments,
+                            self._layouts[r].layers,
                         ),
                         context=self._ctx,
                         keys=tuple(start.keys),
@@ -312,7 +317,7 @@ class LeaseServer:
             if not hmac.compare_digest(done.token, self._layers_token):
                 self._servers[0].guard.drop("layer mark without the token")
                 continue
-            table = self._tables[done.rank % len(self._tables)]
+            table = self._tables[done.rank * len(self._tables) // len(self._servers)]
             for tid in done.transfer_ids:
                 table.mark(tid, done.layer)
 
