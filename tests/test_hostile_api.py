@@ -118,7 +118,13 @@ def test_an_unhashable_transfer_id_no_longer_raises(consumer):  # noqa: F811
         assert count == 300 and "$.transfer_id" in load.error
 
 
-def test_upstreams_decode_leg_with_wrong_types_is_refused_naming_the_field(consumer):  # noqa: F811
+def test_upstreams_decode_leg_with_wrong_types_is_computed_naming_the_field(
+    consumer,  # noqa: F811
+    caplog,
+):
+    """As vLLM's upstream connector: a decode leg of its convention whose transfer id, engine
+    id or bootstrap address cannot be used is not claimed (the decode computes the prompt);
+    the warning names the field."""
     upstream = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -126,9 +132,13 @@ def test_upstreams_decode_leg_with_wrong_types_is_refused_naming_the_field(consu
         "remote_engine_id": "prefill",
         "remote_bootstrap_addr": "http://127.0.0.1:8998",
     }
-    for field, value in [("remote_engine_id", ["p"]), ("remote_bootstrap_addr", {"h": 1})]:
-        _, _, (load,) = _run_consumer(consumer, _params(upstream, {field: value}))
-        assert f"$.{field}" in load.error
+    for field, value in [("remote_engine_id", ["p"]), ("remote_bootstrap_addr", {"h": 1}),
+                         ("transfer_id", {"x": 1})]:  # fmt: skip
+        caplog.clear()
+        count, _, loads = _run_consumer(consumer, _params(upstream, {field: value}))
+        assert (count, loads) == (0, [])
+        assert "not pulled, the prompt is computed here" in caplog.text, field
+        assert field in caplog.text
 
 
 def test_a_connector_error_in_a_hook_is_refused_through_the_policy_not_raised(

@@ -62,9 +62,15 @@ async def _send_all(http, url: str, prompt: list[int], model: str) -> dict[str, 
     return dict(zip((name for name, _ in cases), answers, strict=True))
 
 
+# Upstream's decode leg names its producer by these: one that cannot be used is not claimed (the
+# decode computes the prompt, as vLLM's upstream connector does).
+UPSTREAM_NAMES = ("transfer_id", "remote_engine_id", "remote_bootstrap_addr")
+
+
 def _asks(name: str) -> bool:
-    """The case asks for a remote prefill (all but do_remote_prefill at null): refused once."""
-    return name != "do_remote_prefill=null"
+    """The case asks for a remote prefill that is claimed, and refused once: all but
+    do_remote_prefill at null and an unusable transfer id, engine id or bootstrap address."""
+    return name != "do_remote_prefill=null" and name.split("=")[0] not in UPSTREAM_NAMES
 
 
 async def test_wrong_types_in_every_field_are_answered_and_the_decode_serves_on(pd, http):

@@ -310,25 +310,26 @@ def test_a_finished_prefill_hands_over_its_prompt_blocks_and_holds_them(producer
 XFER = "xfer-3f2b8c1e-9d4a-4e6f-8b1c-2a3d4e5f6a7b"  # upstream's orchestrators' form
 
 
-def test_the_producer_takes_only_a_fresh_random_id_from_the_client(producer, caplog):
-    # A client's transfer id could name, or collide with, another request's lease: the producer
-    # takes one only in a random form (32 hex digits: our proxy's, sent to the decode too under
-    # --dispatch concurrent; 'xfer-<uuid4>': vLLM's upstream orchestrators'), otherwise its own
-    # 128 random bits. One it has taken before is refused: nothing is handed over under it.
+def test_the_producer_takes_a_clients_id_once_and_makes_its_own_otherwise(producer, caplog):
+    # As vLLM's upstream connector, the producer takes the id its client sends (our proxy's 32
+    # hex digits under --dispatch concurrent, 'xfer-<uuid4>' of vLLM's upstream orchestrators,
+    # any bounded id), and its own 128 random bits when none or an unusable one comes. One it
+    # has taken before is refused: nothing is handed over under it.
     good = "0123456789abcdef" * 2
-    asked = ["t-9", "t-9", None, good, good, good.upper(), XFER, XFER, "xfer-not-a-uuid"]
+    asked = ["t-9", "t-9", None, good, good, good.upper(), XFER, XFER, "xfer-1", "bad id", 7]
     answers = []
     for i, tid in enumerate(asked):
         params = {"do_remote_decode": True, **({"transfer_id": tid} if tid else {})}
         req = request(f"p{i}", 300, params, status=RequestStatus.FINISHED_STOPPED, computed=300)
         answers.append(producer.request_finished(req, [5, 6, 7]))
-    assert answers[4] == answers[7] == (False, None)  # used before: refused
+    refused = (1, 4, 7, 10)  # used before; and a wrongly typed id (p2p.params)
+    assert all(answers[i] == (False, None) for i in refused)
     assert "transfer_id xfer-3f2b8c1e was used before on this producer" in caplog.text
-    ids = [
-        protocol.parse_handoff(a[1]).transfer_id for i, a in enumerate(answers) if i not in (4, 7)
-    ]
-    assert len(set(ids)) == len(ids) and "t-9" not in ids and "xfer-not-a-uuid" not in ids
-    assert ids[3] == good and ids[5] == XFER  # taken once, never again
+    ids = [protocol.parse_handoff(a[1]).transfer_id for i, a in enumerate(answers)
+           if i not in refused]  # fmt: skip
+    assert len(set(ids)) == len(ids) and "bad id" not in ids
+    assert ids[:6] == ["t-9", ids[1], good, good.upper(), XFER, "xfer-1"]
+    assert len(ids) == 7 and len(ids[1]) == len(ids[6]) == 32  # its own, for none or a bad one
     assert all(protocol.is_transfer_id(tid) for tid in ids)
     assert producer.get_stats().data["held_leases"] == len(ids)  # none superseded another
 
@@ -419,23 +420,45 @@ def test_a_decode_leg_of_upstreams_convention_becomes_a_pending_load(consumer):
 @pytest.mark.parametrize(
     ("change", "error"),
     [
-        ({"transfer_id": "xfer-123"}, "transfer_id 'xfer-123' is not one a producer takes"),
+        ({"transfer_id": "xfer- 1"}, "transfer_id 'xfer- 1' is not one a producer takes"),
+        ({"transfer_id": 7}, "transfer_id 7 is not one a producer takes"),
+        ({"transfer_id": None}, "transfer_id None is not one"),
         ({"remote_engine_id": ""}, "remote_engine_id '' must name"),
         ({"remote_bootstrap_addr": "127.0.0.2:8998"}, "must be 'http://host:port'"),
-        ({"remote_bootstrap_addr": "http://10.9.9.9:8998"}, "not in trusted_producers"),
+        ({"remote_bootstrap_addr": None}, "must be 'http://host:port'"),
     ],
 )
-def test_a_bad_decode_leg_of_upstreams_convention_is_claimed_and_failed(change, error):
-    settings = load_settings(
-        {"decode_url": "127.0.0.1:17000", "trusted_producers": ["127.0.0.0/24"]}, env={}
-    )
+def test_a_decode_leg_of_upstreams_convention_it_cannot_use_is_not_claimed(change, error, caplog):
+    """As vLLM's upstream connector: no usable transfer id, engine id or bootstrap address,
+    nothing is pulled and the decode computes the prompt (under any policy), saying why."""
+    settings = load_settings({"decode_url": "127.0.0.1:17000"}, env={})
     half = SchedulerHalf(resolve(settings, "kv_consumer", "decode", 1), BLOCK, HASH)
     params = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": XFER,
               "remote_bootstrap_addr": "http://127.0.0.2:8998", "remote_engine_id": "e-1",
               **change}  # fmt: skip
     try:
+        req = request("d1", 300, params)
+        assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+        half.update_state_after_alloc(req, Blocks([10, 11, 12]), 0)
+        assert half.build_connector_meta(STEP).loads == []
+        assert "not pulled, the prompt is computed here" in caplog.text and error in caplog.text
+    finally:
+        half.shutdown()
+
+
+def test_an_upstream_decode_leg_naming_an_untrusted_bootstrap_is_claimed_and_failed():
+    """A usable address outside ``trusted_producers`` is refused, not computed around: the
+    policy decides, and nothing is sent there."""
+    settings = load_settings(
+        {"decode_url": "127.0.0.1:17000", "trusted_producers": ["127.0.0.0/24"]}, env={}
+    )
+    half = SchedulerHalf(resolve(settings, "kv_consumer", "decode", 1), BLOCK, HASH)
+    params = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": XFER,
+              "remote_bootstrap_addr": "http://10.9.9.9:8998",
+              "remote_engine_id": "e-1"}  # fmt: skip
+    try:
         _, _, (load,) = plan(half, request("d1", 300, params), Blocks([10, 11, 12]))
-        assert load.handoff is None and error in load.error  # failed through vLLM's policy
+        assert load.handoff is None and "not in trusted_producers" in load.error
     finally:
         half.shutdown()
 
@@ -838,7 +861,7 @@ def test_a_consumer_takes_a_pending_handoff_and_cancels_its_pull_when_aborted(co
 @pytest.mark.parametrize(
     ("change", "error"),
     [
-        ({"transfer_id": "t-1"}, "32 lowercase hex digits"),
+        ({"transfer_id": "t 1"}, "transfer_id must be 1-128 letters, digits and ._:-"),
         ({"side_channel_ports": [1, 2]}, "2 side_channel_ports for producer_tp_size 1"),
         ({"side_channel_host": ""}, "names the producer's side channel"),
         ({"producer_tp_size": 0, "side_channel_ports": []}, "names the producer's side channel"),

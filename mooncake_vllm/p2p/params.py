@@ -33,6 +33,7 @@ class ParamTypes(msgspec.Struct, kw_only=True):
     side_channel_host: str | None = None
     side_channel_ports: list[int] | None = None
     producer_tp_size: int | None = None
+    producer_pp_size: int | None = None
     remote_block_ids: list[int] | None = None
     group_block_ids: list[list[int]] | None = None
     prompt_len: int | None = None

@@ -119,27 +119,24 @@ class PendingHandoff(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.to_builtins(self)
 
 
-_HEX = frozenset("0123456789abcdef")
-# vLLM's upstream orchestrators: ``xfer-`` and a random (version 4) UUID in canonical lowercase
-# form (its mooncake proxy, llm-d), or the UUID alone (Dynamo's ``str(uuid.uuid4())``); 122
-# random bits.
-_UPSTREAM_ID = re.compile(
-    r"(xfer-)?[0-9a-f]{8}-[0-9a-f]{4}-[47][0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
-)
+# The transfer ids a client may choose, as vLLM's upstream connector takes any string its
+# orchestrator sends (its mooncake proxy ``xfer-<uuid4>``, llm-d and Dynamo a uuid4, others
+# ``xfer-<request id>``), bounded: 1-128 letters, digits and ``._:-``.
+TRANSFER_ID_CHARS = "letters, digits and ._:-"
+MAX_TRANSFER_ID = 128
+_CLIENT_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_TRANSFER_ID}}}")
 
 
 def is_transfer_id(value: object) -> bool:
-    """The only transfer ids a producer takes from a client, so that a lease's name is never
-    guessable: 128 random bits in lowercase hex (our proxy's ``--dispatch concurrent``), or
-    upstream's ``xfer-<uuid>`` or ``<uuid>`` of version 4 (122 random bits) or 7 (74 random
-    bits after a millisecond clock). Not a time-based version 1, nor any other suffix: an id a
-    stranger can guess names a lease the stranger can take first. The producer also never
-    takes one twice (``SchedulerHalf._new_transfer_id``)."""
-    if not isinstance(value, str):
-        return False
-    if len(value) == 32:
-        return all(c in _HEX for c in value)
-    return _UPSTREAM_ID.fullmatch(value) is not None
+    """A transfer id a producer takes from a client (our proxy's 32 hex digits, upstream's
+    orchestrators' ids): 1-128 letters, digits and ``._:-``. What keeps a lease safe is not
+    that its name is secret: the producer never takes an id twice
+    (``SchedulerHalf._new_transfer_id``), a lease is granted only to a decode of its own
+    prompt (``prompt_digest``), and the side channel's frames are authenticated when a secret
+    is set. An id a stranger can guess can still be used first by whoever reaches the engine's
+    API, which makes the real request's handoff refused: send random ids (upstream's
+    orchestrators do) and keep the API behind the proxy."""
+    return isinstance(value, str) and _CLIENT_ID.fullmatch(value) is not None
 
 
 def parse_pending(params: dict[str, Any]) -> PendingHandoff:
@@ -150,8 +147,7 @@ def parse_pending(params: dict[str, Any]) -> PendingHandoff:
         raise HandoffError(f"malformed pending kv_transfer_params: {e}") from e
     if not is_transfer_id(h.transfer_id):
         raise HandoffError(
-            "a pending handoff's transfer_id must be 32 lowercase hex digits or a random UUID "
-            "of version 4 or 7 ('xfer-' before it or not)"
+            f"a pending handoff's transfer_id must be 1-{MAX_TRANSFER_ID} {TRANSFER_ID_CHARS}"
         )
     if not (h.side_channel_host and h.side_channel_ports):
         raise HandoffError("a pending handoff names the producer's side channel")

@@ -61,7 +61,13 @@ from mooncake_vllm.p2p.protocol import (
 )
 from mooncake_vllm.p2p.stats import MooncakeStats
 from mooncake_vllm.p2p.step_metadata import GroupLoad, LoadSpec, MooncakeConnectorMetadata
-from mooncake_vllm.p2p.upstream import bootstrap_host, parse_consumer_params, producer_params
+from mooncake_vllm.p2p.upstream import (
+    bootstrap_host,
+    is_upstream,
+    parse_consumer_params,
+    producer_params,
+    to_pending,
+)
 from mooncake_vllm.vllm_glue import (
     IDLE_STEP_PAUSE_S,
     EngineCoreHandle,
@@ -217,6 +223,15 @@ class SchedulerHalf:
         self, request: Request, params: dict[str, Any], num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         req_id = request.request_id
+        if is_upstream(params):
+            try:
+                to_pending(params)
+            except HandoffError as e:
+                # No usable transfer id, engine id or bootstrap address: vLLM's upstream
+                # connector computes such a prompt, and so does this one (nothing is claimed).
+                logger.warning("request %s: not pulled, the prompt is computed here: %s", req_id, e)
+                params["do_remote_prefill"] = False
+                return 0, False
         error = param_type_error(params)
         if error is not None:
             self._refuse(req_id, error)  # claimed, then failed by the worker (the policy)
@@ -556,12 +571,12 @@ class SchedulerHalf:
         return producer_params(handoff, url if self._cfg.bootstrap_port else "")
 
     def _new_transfer_id(self, req_id: str, asked: object) -> str | None:
-        """The id that names a lease on the side channel, random so nobody can guess it: the
-        client's, if it chose one of a random form (``protocol.is_transfer_id``: our proxy's
-        ``--dispatch concurrent``, upstream's orchestrators, which send it to the decode too);
-        else a new one. None (refused: not handed over) for a client's id this producer has
-        used before, while its lease lives or after it ended: a decode waiting for it must not
-        get another prompt's KV, nor wait for a lease that never comes back."""
+        """The id that names a lease on the side channel: the client's, if it chose one
+        (``protocol.is_transfer_id``: our proxy's ``--dispatch concurrent``, upstream's
+        orchestrators, which send it to the decode too); else a new random one. None (refused:
+        not handed over) for a client's id this producer has used before, while its lease lives
+        or after it ended: a decode waiting for it must not get another prompt's KV, nor wait
+        for a lease that never comes back."""
         if is_transfer_id(asked):
             if asked in self._issued:
                 logger.warning(

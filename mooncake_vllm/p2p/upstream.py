@@ -40,6 +40,8 @@ import aiohttp
 
 from mooncake_vllm.p2p.protocol import (
     MAX_PP_SIZE,
+    MAX_TRANSFER_ID,
+    TRANSFER_ID_CHARS,
     Handoff,
     HandoffError,
     PendingHandoff,
@@ -84,9 +86,10 @@ def to_pending(params: dict[str, Any]) -> PendingHandoff:
     engine_id = params.get("remote_engine_id")
     addr = params.get("remote_bootstrap_addr")
     if not is_transfer_id(transfer_id):
+        shown = repr(transfer_id)[:80]
         raise HandoffError(
-            f"transfer_id {transfer_id!r} is not one a producer takes: a random UUID of "
-            "version 4 or 7, 'xfer-' before it or not (upstream's), or 32 lowercase hex digits"
+            f"transfer_id {shown} is not one a producer takes: 1-{MAX_TRANSFER_ID} "
+            f"{TRANSFER_ID_CHARS} (upstream's orchestrators send xfer-<uuid> or a uuid)"
         )
     if not isinstance(engine_id, str) or not engine_id:
         raise HandoffError(f"remote_engine_id {engine_id!r} must name the prefill's engine")
