@@ -349,6 +349,134 @@ def build_tiny_lora(
     return out
 
 
+def build_tiny_eagle(model_dir: Path | str, seed: int = 4321) -> Path:
+    """A random-weight EAGLE-1 draft head for the tiny Llama at ``model_dir``, cached beside it
+    as ``<model>-eagle-<seed>``, in the checkpoint layout vLLM's ``EagleLlamaForCausalLM``
+    loads (``llama_eagle.py``): a one-layer Llama config, ``fc`` over the token's embedding and
+    the target's hidden state, layer 0 without its input norm, no final norm and no ``lm_head``
+    (both the target's). Served with ``--speculative-config '{"method": "eagle", "model":
+    DIR, "num_speculative_tokens": N}'``; its one attention layer has a KV cache of its own."""
+    model_dir = Path(model_dir)
+    out = model_dir.parent / f"{model_dir.name}-eagle-{seed}"
+    if (out / _COMPLETE_MARKER).exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def drawn(*shape: int):
+        return (torch.randn(*shape, generator=gen) * 0.1).contiguous()
+
+    layer = "layers.0"
+    tensors = {
+        "fc.weight": drawn(hidden, 2 * hidden),
+        "embed_tokens.weight": drawn(config["vocab_size"], hidden),
+        f"{layer}.self_attn.q_proj.weight": drawn(heads * head_dim, hidden),
+        f"{layer}.self_attn.k_proj.weight": drawn(kv_heads * head_dim, hidden),
+        f"{layer}.self_attn.v_proj.weight": drawn(kv_heads * head_dim, hidden),
+        f"{layer}.self_attn.o_proj.weight": drawn(hidden, heads * head_dim),
+        f"{layer}.mlp.gate_proj.weight": drawn(inter, hidden),
+        f"{layer}.mlp.up_proj.weight": drawn(inter, hidden),
+        f"{layer}.mlp.down_proj.weight": drawn(hidden, inter),
+        f"{layer}.post_attention_layernorm.weight": torch.ones(hidden),
+    }
+    draft = {**config, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"],
+             "tie_word_embeddings": False}  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(draft, indent=2, sort_keys=True))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (model_dir / name).exists():
+                shutil.copy(model_dir / name, tmp / name)
+        (tmp / _COMPLETE_MARKER).write_text("")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except FileExistsError:
+        pass  # another process won the race with an identical build
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# Renders OpenAI-style content lists: an image item becomes the processor's ``<image>``.
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: "
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<image>{% elif c['type'] == 'text' %}"
+    "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def build_tiny_vlm(seed: int = 1234) -> Path:
+    """A random-weight Idefics3 (SmolVLM's architecture: a SigLIP-style vision tower, a
+    pixel-shuffle connector, a two-layer Llama), cached as ``tiny-idefics3-<seed>``, with its
+    PIL image processor (no torchvision): a 64x64 image is one global image of 16 patches,
+    4 image tokens after the connector. The text tokenizer is the tiny Llama's plus the
+    processor's special tokens."""
+    out = CACHE_ROOT / "models" / f"tiny-idefics3-{seed}"
+    if (out / _COMPLETE_MARKER).exists():
+        return out
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_model())
+    special = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+    special += [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    tok.add_tokens(special, special_tokens=True)
+    text = {"model_type": "llama", "vocab_size": 2112, "hidden_size": 128,
+            "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096,
+            "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.1,
+            "tie_word_embeddings": False}  # fmt: skip
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": 64, "patch_size": 16}  # fmt: skip
+    config = Idefics3Config(
+        vision_config=vision, text_config=text, scale_factor=2, pad_token_id=0,
+        image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    images = Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": 64}, max_image_size={"longest_edge": 64}
+    )
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=VLM_CHAT_TEMPLATE
+    )
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+        (tmp / _COMPLETE_MARKER).write_text("")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except FileExistsError:
+        pass  # another process won the race with an identical build
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     # --mla picks the spec first: the two specs' options share names but not defaults.
     pick = argparse.ArgumentParser(add_help=False)

@@ -518,7 +518,8 @@ class WorkerHalf:
             # Our segments a pipeline stage read from holds (when a grant names its layers).
             covered: set[int] = set()
             staged = False
-            for rank, (heads, readers, tp_rank) in self._sources(h).items():
+            sources = self._sources(h)
+            for rank, (heads, readers, tp_rank) in sources.items():
                 address = self._producer_address(h, rank)
                 # Only the holder of this token can release the lease this acquire pins.
                 owner = secrets.token_bytes(OWNER_BYTES)
@@ -553,16 +554,12 @@ class WorkerHalf:
                     held = self._stage_segments(reply)
                     covered |= set(range(len(self._owners))) if held is None else set(held)
                     staged |= held is not None
+                if staged and rank == max(sources):  # every stage's layers known: before a read
+                    self._check_covered(covered, h)
                 if reply.ready != ALL_LAYERS:  # the prefill computes: take layers as they come
                     self._read_layers(pull, tp_rank, heads, reply, address, owner)
                 elif heads:
                     self._read(pull, tp_rank, heads, reply)
-            missing = sorted(set(self._owners) - {self._owners[i] for i in covered})
-            if staged and missing:
-                raise PullFailed(
-                    f"no stage of the producer ({h.producer_pp_size} pipeline stage(s)) holds "
-                    f"layer(s) {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
-                )
             succeeded = True
             logger.debug(
                 "request %s: pulled %d blocks (%d B, %d entries) from %d producer rank(s): "
@@ -837,6 +834,18 @@ class WorkerHalf:
             for p, ranks in lease_readers(self._kv_heads, producer_tp, tp).items()
             if self._tp_rank in ranks
         }
+
+    def _check_covered(self, covered: set[int], h: Handoff) -> None:
+        """Raises PullFailed naming the layers of ours that no producer stage holds (a draft
+        model's, when only this side speculates)."""
+        missing = sorted(set(self._owners) - {self._owners[i] for i in covered})
+        if missing:
+            names = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+            raise PullFailed(
+                f"the producer holds no KV of layer(s) {names} (its {h.producer_pp_size} "
+                "pipeline stage(s) hold the others): a draft model's layer? Serve the prefill "
+                "with the decode's --speculative-config, so that it computes the draft's KV too"
+            )
 
     def _stage_segments(self, reply: Granted) -> dict[int, int] | None:
         """This rank's segments that a producer rank's grant holds, by index, to the index of
