@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import kubernetes_validate
 import pytest
@@ -79,18 +82,54 @@ def flag(args: list[str], name: str) -> str:
     raise KeyError(name)
 
 
-def vllm_args(container: dict) -> object:
-    """The container's ``vllm serve`` line as vLLM's own parser reads it."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+# vLLM's own parser, in a child: building it loads vLLM's plugins, which would register our
+# connectors in this process a second time (tests/test_plugin.py checks the first).
+_PARSE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+out = []
+for argv in json.loads(sys.stdin.read()):
+    a = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    ktc = a.kv_transfer_config
+    out.append({"port": a.port, "shutdown_timeout": a.shutdown_timeout,
+                "kv_transfer_config": {"kv_connector": ktc.kv_connector, "kv_role": ktc.kv_role,
+                                       "kv_connector_extra_config": ktc.kv_connector_extra_config}})
+print(json.dumps(out))
+"""
 
+
+def _argv(container: dict) -> list[str]:
     model, *rest = container["args"]
-    rest = [a.replace("$(POD_IP)", POD_IP) for a in rest]
-    return make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model, *rest])
+    return ["--model", model, *(a.replace("$(POD_IP)", POD_IP) for a in rest)]
+
+
+@pytest.fixture(scope="module")
+def parsed() -> dict[str, SimpleNamespace]:
+    """Every engine container's ``vllm serve`` line as vLLM's own parser reads it, by its
+    arguments."""
+    lines = [_argv(c) for name in LAYOUTS for _, c in containers(layout(name), "vllm")]
+    run = subprocess.run([sys.executable, "-c", _PARSE], input=json.dumps(lines), text=True,
+                         capture_output=True, timeout=300, check=True)  # fmt: skip
+    answers = json.loads(run.stdout.strip().splitlines()[-1])
+    return {
+        json.dumps(line): SimpleNamespace(
+            port=a["port"],
+            shutdown_timeout=a["shutdown_timeout"],
+            kv_transfer_config=SimpleNamespace(**a["kv_transfer_config"]),
+        )
+        for line, a in zip(lines, answers, strict=True)
+    }
+
+
+def vllm_args(parsed, container: dict) -> SimpleNamespace:
+    return parsed[json.dumps(_argv(container))]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_each_engines_settings_ports_probes_and_drain_agree_with_what_it_reads(name, tmp_path):
+def test_each_engines_settings_ports_probes_and_drain_agree_with_what_it_reads(
+    name, tmp_path, parsed
+):
     objs = layout(name)
     maps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ConfigMap"}
     engines = containers(objs, "vllm")
@@ -109,7 +148,7 @@ def test_each_engines_settings_ports_probes_and_drain_agree_with_what_it_reads(n
         local = tmp_path / "mooncake.json"
         local.write_text(text.replace(f"{secret_dir}/secret", str(tmp_path / "secret")))
 
-        args = vllm_args(c)
+        args = vllm_args(parsed, c)
         ktc = args.kv_transfer_config
         assert ktc.kv_connector == "MooncakeConnector"
         settings = load_settings(ktc.kv_connector_extra_config, env={CONFIG_PATH_ENV: str(local)})
@@ -154,12 +193,12 @@ def test_the_proxys_command_line_is_valid_and_names_what_the_layout_serves(name,
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": cfg.port}
 
 
-def test_llm_ds_sidecar_fronts_the_decode_in_mooncake_mode_and_prefills_serve_query():
+def test_llm_ds_sidecar_fronts_the_decode_in_mooncake_mode_and_prefills_serve_query(parsed):
     objs = layout("llm-d.yaml")
     decode = next(o for o in objs if o["metadata"]["name"] == "llm-d-decode")
     sidecar, vllm = decode["spec"]["template"]["spec"]["containers"]
     assert flag(sidecar["args"], "--kv-connector") == "mooncake"
-    assert int(flag(sidecar["args"], "--vllm-port")) == vllm_args(vllm).port
+    assert int(flag(sidecar["args"], "--vllm-port")) == vllm_args(parsed, vllm).port
     assert int(flag(sidecar["args"], "--port")) == sidecar["ports"][0]["containerPort"]
     ((_, prefill),) = [
         (p, c) for p, c in containers(objs, "vllm") if "kv_producer" in json.dumps(c["args"])

@@ -38,6 +38,8 @@ too many prompts, JSON nested too deep  400 naming ``--max-prompts`` / the nesti
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -59,6 +61,7 @@ from mooncake_vllm.proxy.kv_events import KvEventSubscriber
 from mooncake_vllm.proxy.limits import ClientLimits, Refusal
 from mooncake_vllm.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_vllm.proxy.metrics import ProxyMetrics
+from mooncake_vllm.proxy.routing import Policy
 from mooncake_vllm.proxy.stream import DecodeStream
 
 logger = logging.getLogger("mooncake_vllm.proxy")
@@ -195,8 +198,22 @@ def create_app(cfg: ProxyConfig) -> Quart:
     gate = Gate(cfg, metrics)
     app.extensions["client_limits"] = gate.limits
 
+    # --policy kv: text and chat prompts tokenized as vLLM does (``proxy.tokens``), once loaded.
+    app.extensions["tokenizer"] = None
+    loader: list[asyncio.Task] = []
+
+    async def _load_tokenizer() -> None:
+        from mooncake_vllm.proxy.tokens import find_tokenizer
+
+        def urls() -> list[str]:
+            return [b.url for pool in backends.pools.values() for b in pool.backends]
+
+        app.extensions["tokenizer"] = await find_tokenizer(cfg.tokenizer, urls)
+
     @app.before_serving
     async def _start() -> None:
+        if cfg.policy is Policy.KV:
+            loader.append(asyncio.create_task(_load_tokenizer()))
         await backends.open()
         prober.start()
         if follower is not None:
@@ -206,6 +223,8 @@ def create_app(cfg: ProxyConfig) -> Quart:
 
     @app.after_serving
     async def _stop() -> None:
+        for task in loader:
+            task.cancel()
         if subscriber is not None:
             await subscriber.stop()
         if follower is not None:
@@ -260,6 +279,11 @@ def create_app(cfg: ProxyConfig) -> Quart:
             admitted.request_id = rewrite.request_id_from(body_request_id)
         ctx = gate.request_context(admitted, incoming.path, incoming.authorization)
         ctx = with_route_keys(ctx, body, cfg.policy)
+        tokenizer = app.extensions["tokenizer"]
+        if tokenizer is not None and ctx.prompt_token_ids is None:
+            ids = await asyncio.to_thread(tokenizer.token_ids, body, incoming.path)
+            if ids:
+                ctx = dataclasses.replace(ctx, prompt_token_ids=ids)
         return await generate(backends, ctx, body, incoming.body)
 
     @app.get("/v1/models")

@@ -61,6 +61,9 @@ class ProxyConfig(BaseModel):
     policy: Policy = Policy.ROUND_ROBIN
     # Where each backend publishes its KV events, as BACKEND_URL=tcp://HOST:PORT (--policy kv).
     kv_events: list[str] = []
+    # --policy kv: the tokenizer of text and chat prompts (a model path or name); None: the
+    # model the engines serve (``proxy.tokens``).
+    tokenizer: str | None = None
     server: HttpServer = DEFAULT_HTTP_SERVER
     # p2p: the prefill hands its KV to the decode through kv_transfer_params (MooncakeConnector).
     # pool: nothing is handed over; the decode finds the prompt in the pool by its tokens

@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy kv; once per engine",
     )
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH_OR_NAME",
+        help="--policy kv: tokenize text and chat prompts with this model's tokenizer and chat "
+        "template (default: the model the engines serve, from their /v1/models)",
+    )
+    p.add_argument(
         "--server",
         choices=[x.value for x in HttpServer],
         default=defaults["server"].default.value,
