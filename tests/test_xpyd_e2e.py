@@ -466,6 +466,78 @@ async def test_kv_policy_sends_a_follow_up_turn_where_its_blocks_are(xpyd):
     assert 0 < pulled <= len(turn2) - len(turn1), (pulled, len(turn2))
 
 
+async def test_kv_policy_routes_a_chats_next_turn_by_its_tokenized_history(xpyd):
+    """A multi-turn chat as chat messages (text, as clients send it): the proxy tokenizes it
+    with the model's chat template (``proxy.tokens``, the tokenizer found from the engines'
+    ``/v1/models``), so the engines' KV events match it: the first turn, computed on the
+    prefill and decode the prefix ring would not pick, draws the second turn to both, whose
+    decode pulls only what the first turn did not leave there; the answer equals plain's."""
+    c = xpyd
+    await _all_in_rotation(c)
+    e = c.engines
+    prefills, decodes = [e["p1"].url, e["p2"].url], [e["d1"].url, e["d2"].url]
+    events = [f"--kv-events={x.url}={x.events_endpoint}" for x in e.values()]
+    proxy = await asyncio.to_thread(
+        start_proxy,
+        [*(f"--prefill={u}" for u in prefills), *(f"--decode={u}" for u in decodes),
+         "--policy", "kv", *events, "--health-interval-s", "1",
+         "--timeout-s", str(PROXY_TIMEOUT_S)],
+    )  # fmt: skip
+    rng = random.Random(41)
+    words = " ".join(f"w{rng.randrange(10_000)}" for _ in range(600))
+    turn1 = [{"role": "user", "content": words}]
+    turn2 = [*turn1, {"role": "assistant", "content": "noted"},
+             {"role": "user", "content": "and then?"}]  # fmt: skip
+
+    def chat(messages, max_tokens=MAX_TOKENS):
+        return {"model": c.model, "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0, "return_token_ids": True}  # fmt: skip
+
+    try:
+        await asyncio.to_thread(
+            proxy.wait_for, "the tokenizer", lambda: proxy.health().get("tokenizer"), 60
+        )
+        key = prefix.prefix_key(chat(turn2))
+        ring_p = prefix.choose(prefix.Ring.of(prefills), key, {}, prefills)
+        ring_d = prefix.choose(prefix.Ring.of(decodes), key, {}, decodes)
+        holder_p = next(n for n in ("p1", "p2") if e[n].url != ring_p)
+        holder_d = next(n for n in ("d1", "d2") if e[n].url != ring_d)
+        async with client_session(total_timeout_s=PROXY_TIMEOUT_S) as http:
+            for name in (holder_p, holder_d):  # plain requests: each computes turn 1 itself
+                url = f"{c.servers[name].url}/v1/chat/completions"
+                async with http.post(url, json=chat(turn1, 1)) as resp:
+                    assert resp.status == 200, await resp.text()
+
+            def heard() -> bool:
+                report = proxy.health()
+                return all(
+                    next(b for b in report[role] if b["url"] == e[n].url)["cached_blocks"] > 0
+                    for role, n in (("prefill", holder_p), ("decode", holder_d))
+                )
+
+            await asyncio.to_thread(proxy.wait_for, "the holders' blocks in the index", heard, 10)
+            async with http.post(f"{c.plain.url}/v1/chat/completions", json=chat(turn2)) as resp:
+                ref = (await resp.json())["choices"][0]
+            before = _counters(c)
+            async with http.post(f"{proxy.url}/v1/chat/completions", json=chat(turn2)) as resp:
+                data = await resp.json()
+                assert resp.status == 200, data
+            after = _counters(c)
+    finally:
+        await asyncio.to_thread(proxy.stop)
+    got = data["choices"][0]
+    assert (got["message"]["content"], got.get("token_ids")) == (
+        ref["message"]["content"],
+        ref.get("token_ids"),
+    )
+    served = {n: _delta(after, before, n, "requests") for n in e}
+    assert served == {n: 1 if n in (holder_p, holder_d) else 0 for n in e}, served
+    assert _delta(after, before, holder_d, "pull_failures") == 0
+    pulled = _delta(after, before, holder_d, "external")
+    # The decode held turn 1's full blocks: it pulled the rest of turn 2, not the whole prompt.
+    assert 0 < pulled < data["usage"]["prompt_tokens"] - BLOCK_SIZE, (pulled, data["usage"])
+
+
 async def test_forged_registry_records_get_no_request(xpyd):
     c = xpyd
     await _all_in_rotation(c)

@@ -56,7 +56,7 @@ from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.discovery import RegistryFollower
 from mooncake_vllm.proxy.errors import LoadFailed, ProxyError
 from mooncake_vllm.proxy.failover import Backends, RequestContext, with_route_keys
-from mooncake_vllm.proxy.health import HealthProber, health_report, healthy
+from mooncake_vllm.proxy.health import HealthProber, health_report, healthy, stop_task
 from mooncake_vllm.proxy.kv_events import KvEventSubscriber
 from mooncake_vllm.proxy.limits import ClientLimits, Refusal
 from mooncake_vllm.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -224,7 +224,7 @@ def create_app(cfg: ProxyConfig) -> Quart:
     @app.after_serving
     async def _stop() -> None:
         for task in loader:
-            task.cancel()
+            await stop_task(task, "the tokenizer loader")
         if subscriber is not None:
             await subscriber.stop()
         if follower is not None:
@@ -293,7 +293,11 @@ def create_app(cfg: ProxyConfig) -> Quart:
 
     @app.get("/health")
     async def _health() -> Response:
-        return json_response(health_report(backends), 200 if healthy(backends) else 503)
+        report = health_report(backends)
+        if cfg.policy is Policy.KV:  # which tokenizer text and chat prompts route by, if any
+            tokenizer = app.extensions["tokenizer"]
+            report["tokenizer"] = tokenizer.source if tokenizer is not None else None
+        return json_response(report, 200 if healthy(backends) else 503)
 
     @app.get("/metrics")
     async def _metrics() -> Response:
