@@ -22,6 +22,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,6 +34,7 @@ from harness.pd import (
     complete,
     greedy_body,
     minimal_proxy,
+    pool_args,
     reference_spec,
     start_many,
     start_with_master,
@@ -65,6 +67,25 @@ def user_master(log_dir: Path | None = None, client_ttl_s: int = 30) -> MasterSe
     default is 10 s, docs/pool.md "Threads")."""
     ttl = ["--client_ttl", str(client_ttl_s)]
     return start_mooncake_master(log_dir=log_dir, extra_args=ttl)
+
+
+def start_pool_trio(
+    model: str, tag: str, cfg_dir: Path, host: str = "127.0.0.1", args: Sequence[str] = ()
+) -> tuple[MasterServer, dict[str, VllmServer]]:
+    """A pool on one address as the store guide starts it: ``mooncake_master``, a plain vLLM
+    (``plain``) and two ``kv_both`` instances of our pool connector (``prefill``, ``decode``),
+    each with the guide's json under ``cfg_dir``; ``args`` on all three (LoRA modules, ...).
+    If they do not all start, the master stops too."""
+    master = user_master()
+
+    def engine(name: str) -> ServerSpec:
+        env = {"MOONCAKE_CONFIG_PATH": str(user_json(cfg_dir / f"{name}.json", host, master))}
+        return ServerSpec(name, host, [*args, *pool_args("kv_both", {})], env)
+
+    specs = [reference_spec(f"plain-{tag}", host, args), engine(f"{tag}-prefill"),
+             engine(f"{tag}-decode")]  # fmt: skip
+    started = start_with_master(model, master, specs)
+    return master, dict(zip(("plain", "prefill", "decode"), started, strict=True))
 
 
 # What ``vllm serve`` does when nothing is set: its CPU worker binds its OpenMP threads to the

@@ -271,18 +271,13 @@ def _write(spec: TinySpec, out: Path) -> None:
     (out / "tiny_model_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
 
 
-def build_tiny_model(out_dir: Path | str | None = None, spec: TinySpec | None = None) -> Path:
-    """Return a directory holding the model (the Llama unless ``spec`` says otherwise), building
-    it first if it is not there yet."""
-    spec = spec or TinyModelSpec()
-    out = Path(out_dir) if out_dir else CACHE_ROOT / "models" / spec.name
-    if (out / _COMPLETE_MARKER).exists():
-        return out
+def _publish(out: Path, write) -> Path:
+    """``write(dir)`` into a directory beside ``out``, then renamed to it: a crash or a
+    concurrent build never leaves half a model (the complete marker says it is whole)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: a crash or a concurrent build never leaves half a model.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write(spec, tmp)
+        write(tmp)
         (tmp / _COMPLETE_MARKER).write_text("")
         if out.exists():
             shutil.rmtree(out)
@@ -292,6 +287,16 @@ def build_tiny_model(out_dir: Path | str | None = None, spec: TinySpec | None = 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def build_tiny_model(out_dir: Path | str | None = None, spec: TinySpec | None = None) -> Path:
+    """Return a directory holding the model (the Llama unless ``spec`` says otherwise), building
+    it first if it is not there yet."""
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir) if out_dir else CACHE_ROOT / "models" / spec.name
+    if (out / _COMPLETE_MARKER).exists():
+        return out
+    return _publish(out, lambda tmp: _write(spec, tmp))
 
 
 def build_tiny_lora(
@@ -322,9 +327,8 @@ def build_tiny_lora(
             b = torch.randn(out_dim, rank, generator=gen) * scale / rank**0.5
             tensors[f"{key}.lora_A.weight"] = a.contiguous()
             tensors[f"{key}.lora_B.weight"] = b.contiguous()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "adapter_model.safetensors"))
         adapter = {
             "peft_type": "LORA",
@@ -338,15 +342,8 @@ def build_tiny_lora(
             "fan_in_fan_out": False,
         }
         (tmp / "adapter_config.json").write_text(json.dumps(adapter, indent=2, sort_keys=True))
-        (tmp / _COMPLETE_MARKER).write_text("")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except FileExistsError:
-        pass  # another process won the race with an identical build
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return _publish(out, write)
 
 
 def build_tiny_eagle(model_dir: Path | str, seed: int = 4321) -> Path:
@@ -387,23 +384,15 @@ def build_tiny_eagle(model_dir: Path | str, seed: int = 4321) -> Path:
     }
     draft = {**config, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"],
              "tie_word_embeddings": False}  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(draft, indent=2, sort_keys=True))
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (model_dir / name).exists():
                 shutil.copy(model_dir / name, tmp / name)
-        (tmp / _COMPLETE_MARKER).write_text("")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except FileExistsError:
-        pass  # another process won the race with an identical build
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return _publish(out, write)
 
 
 # Renders OpenAI-style content lists: an image item becomes the processor's ``<image>``.
@@ -461,20 +450,12 @@ def build_tiny_vlm(seed: int = 1234) -> Path:
         image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=VLM_CHAT_TEMPLATE
     )
     tok.chat_template = VLM_CHAT_TEMPLATE
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         processor.save_pretrained(tmp)
-        (tmp / _COMPLETE_MARKER).write_text("")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except FileExistsError:
-        pass  # another process won the race with an identical build
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return _publish(out, write)
 
 
 def main(argv: list[str] | None = None) -> None:

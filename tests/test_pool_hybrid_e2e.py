@@ -31,22 +31,17 @@ from test_hybrid_e2e import (
 
 from harness.pd import (
     POOL_COUNTERS,
-    ServerSpec,
     complete,
     greedy_body,
     minimal_proxy,
-    pool_args,
-    reference_spec,
-    start_with_master,
     stop_servers,
     tokens_by_transfer,
 )
-from harness.pool_hosts import user_json, user_master
+from harness.pool_hosts import start_pool_trio
 from harness.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.servers
 
-HOST = "127.0.0.1"
 MAX_TOKENS = 8
 # Prompts of two or more blocks (the window drops the early ones) and short ones.
 LENGTHS = [100, 129, 255, 256, 257, 300, 511, 700, 1000, 1300, 1600, 129, 640, 900, 1200, 1500]
@@ -56,18 +51,9 @@ body = partial(greedy_body, max_tokens=MAX_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, request):
     model = str(build_tiny_model(spec=SPEC))
-    master = user_master()
-    cfg = tmp_path_factory.mktemp("pool-hybrid")
-
-    def engine(name: str) -> ServerSpec:
-        env = {"MOONCAKE_CONFIG_PATH": str(user_json(cfg / f"{name}.json", HOST, master))}
-        return ServerSpec(name, HOST, pool_args("kv_both", {}), env)
-
-    specs = [reference_spec("plain-pool-gemma3", HOST), engine("pool-gemma3-prefill"),
-             engine("pool-gemma3-decode")]  # fmt: skip
-    started = start_with_master(model, master, specs)
-    yield dict(zip(("plain", "prefill", "decode"), started, strict=True), model=model)
-    stop_servers([master, *started], print_logs=request.session.testsfailed > 0)
+    master, engines = start_pool_trio(model, "pool-gemma3", tmp_path_factory.mktemp("pool-hybrid"))
+    yield {**engines, "model": model}
+    stop_servers([master, *engines.values()], print_logs=request.session.testsfailed > 0)
 
 
 def test_both_pool_engines_keep_the_hybrid_allocator_and_three_groups(pool):

@@ -25,18 +25,14 @@ import pytest
 
 from harness.pd import (
     POOL_COUNTERS,
-    ServerSpec,
     complete,
     eventually,
     greedy_body,
     minimal_proxy,
-    pool_args,
-    reference_spec,
-    start_with_master,
     stop_servers,
     tokens_by_transfer,
 )
-from harness.pool_hosts import user_json, user_master
+from harness.pool_hosts import start_pool_trio
 from harness.tiny_model import build_tiny_lora, build_tiny_model
 
 # `make test-long`: `make test` stays within its 30 minutes (a fresh run took 30.6 with it).
@@ -59,18 +55,10 @@ def pool(tmp_path_factory, request):
     adapters = {"ad-a": build_tiny_lora(model, "a", 1), "ad-b": build_tiny_lora(model, "b", 2)}
     lora = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules"]
     lora += [f"{name}={path}" for name, path in adapters.items()]
-    master = user_master()
     cfg = tmp_path_factory.mktemp("pool-identity")
-
-    def engine(name: str) -> ServerSpec:
-        env = {"MOONCAKE_CONFIG_PATH": str(user_json(cfg / f"{name}.json", HOST, master))}
-        return ServerSpec(name, HOST, [*lora, *pool_args("kv_both", {})], env)
-
-    specs = [reference_spec("plain-pool-lora", HOST, lora), engine("pool-lora-prefill"),
-             engine("pool-lora-decode")]  # fmt: skip
-    started = start_with_master(model, master, specs)
-    yield dict(zip(("plain", "prefill", "decode"), started, strict=True), model=model)
-    stop_servers([master, *started], print_logs=request.session.testsfailed > 0)
+    master, engines = start_pool_trio(model, "pool-lora", cfg, HOST, lora)
+    yield {**engines, "model": model}
+    stop_servers([master, *engines.values()], print_logs=request.session.testsfailed > 0)
 
 
 def no_failures(srv, before) -> None:

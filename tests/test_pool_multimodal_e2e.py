@@ -16,39 +16,19 @@ import asyncio
 import pytest
 from test_multimodal_e2e import answer, chat, post
 
-from harness.pd import (
-    POOL_COUNTERS,
-    ServerSpec,
-    eventually,
-    pool_args,
-    reference_spec,
-    start_with_master,
-    stop_servers,
-    tokens_by_transfer,
-)
-from harness.pool_hosts import user_json, user_master
+from harness.pd import POOL_COUNTERS, eventually, stop_servers, tokens_by_transfer
+from harness.pool_hosts import start_pool_trio
 from harness.tiny_model import build_tiny_vlm
 
 pytestmark = pytest.mark.servers
-
-HOST = "127.0.0.1"
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, request):
     model = str(build_tiny_vlm())
-    master = user_master()
-    cfg = tmp_path_factory.mktemp("pool-vlm")
-
-    def engine(name: str) -> ServerSpec:
-        env = {"MOONCAKE_CONFIG_PATH": str(user_json(cfg / f"{name}.json", HOST, master))}
-        return ServerSpec(name, HOST, pool_args("kv_both", {}), env)
-
-    specs = [reference_spec("plain-pool-vlm", HOST), engine("pool-vlm-prefill"),
-             engine("pool-vlm-decode")]  # fmt: skip
-    started = start_with_master(model, master, specs)
-    yield dict(zip(("plain", "prefill", "decode"), started, strict=True), model=model)
-    stop_servers([master, *started], print_logs=request.session.testsfailed > 0)
+    master, engines = start_pool_trio(model, "pool-vlm", tmp_path_factory.mktemp("pool-vlm"))
+    yield {**engines, "model": model}
+    stop_servers([master, *engines.values()], print_logs=request.session.testsfailed > 0)
 
 
 def failures(srv, before) -> tuple[float, float]:

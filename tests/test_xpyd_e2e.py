@@ -411,6 +411,42 @@ def _ignored(c: Cluster) -> dict[str, float]:
     return {r: c.proxy.metric(name, reason=r) for r in ("unsigned", "bad_signature", "invalid")}
 
 
+async def _kv_proxy(c: Cluster):
+    """Our proxy with ``--policy kv`` over the four engines, hearing each one's KV events."""
+    e = c.engines
+    events = [f"--kv-events={x.url}={x.events_endpoint}" for x in e.values()]
+    return await asyncio.to_thread(
+        start_proxy,
+        [*(f"--prefill={e[n].url}" for n in ("p1", "p2")),
+         *(f"--decode={e[n].url}" for n in ("d1", "d2")),
+         "--policy", "kv", *events, "--health-interval-s", "1",
+         "--timeout-s", str(PROXY_TIMEOUT_S)],
+    )  # fmt: skip
+
+
+def _not_the_rings(e, body: dict) -> tuple[str, str]:
+    """The prefill and the decode the prefix ring would not send ``body`` to: where only the
+    engines' events can send it."""
+    key = prefix.prefix_key(body)
+    out = []
+    for names in (("p1", "p2"), ("d1", "d2")):
+        urls = [e[n].url for n in names]
+        ring = prefix.choose(prefix.Ring.of(urls), key, {}, urls)
+        out.append(next(n for n in names if e[n].url != ring))
+    return out[0], out[1]
+
+
+async def _until_heard(proxy, e, holder_p: str, holder_d: str) -> None:
+    def heard() -> bool:
+        report = proxy.health()
+        return all(
+            next(b for b in report[role] if b["url"] == e[n].url)["cached_blocks"] > 0
+            for role, n in (("prefill", holder_p), ("decode", holder_d))
+        )
+
+    await asyncio.to_thread(proxy.wait_for, "the holders' blocks in the index", heard, 10)
+
+
 async def test_kv_policy_sends_a_follow_up_turn_where_its_blocks_are(xpyd):
     """``--policy kv`` on real KV events: a chat's first turn is computed on the prefill and the
     decode that ``--policy prefix`` would not pick (sent to them directly); the proxy hears
@@ -419,37 +455,19 @@ async def test_kv_policy_sends_a_follow_up_turn_where_its_blocks_are(xpyd):
     c = xpyd
     await _all_in_rotation(c)
     e = c.engines
-    prefills, decodes = [e["p1"].url, e["p2"].url], [e["d1"].url, e["d2"].url]
-    events = [f"--kv-events={x.url}={x.events_endpoint}" for x in e.values()]
-    proxy = await asyncio.to_thread(
-        start_proxy,
-        [*(f"--prefill={u}" for u in prefills), *(f"--decode={u}" for u in decodes),
-         "--policy", "kv", *events, "--health-interval-s", "1",
-         "--timeout-s", str(PROXY_TIMEOUT_S)],
-    )  # fmt: skip
+    proxy = await _kv_proxy(c)
     try:
         rng = random.Random(39)
         turn1 = [rng.randrange(3, 2048) for _ in range(3 * BLOCK_SIZE)]
         turn2 = [*turn1, *(rng.randrange(3, 2048) for _ in range(60))]
         body2 = _body(c.model, turn2, 0)
         # Where the prefix ring sends this chat, and so where events alone can send it.
-        key = prefix.prefix_key(body2)
-        ring_p = prefix.choose(prefix.Ring.of(prefills), key, {}, prefills)
-        ring_d = prefix.choose(prefix.Ring.of(decodes), key, {}, decodes)
-        holder_p = next(n for n in ("p1", "p2") if e[n].url != ring_p)
-        holder_d = next(n for n in ("d1", "d2") if e[n].url != ring_d)
+        holder_p, holder_d = _not_the_rings(e, body2)
         async with client_session(total_timeout_s=PROXY_TIMEOUT_S) as http:
             for name in (holder_p, holder_d):  # plain requests: each computes turn 1 itself
                 await complete(http, c.servers[name].url, _body(c.model, turn1, 0, 1))
 
-        def heard() -> bool:
-            report = proxy.health()
-            return all(
-                next(b for b in report[role] if b["url"] == e[n].url)["cached_blocks"] > 0
-                for role, n in (("prefill", holder_p), ("decode", holder_d))
-            )
-
-        await asyncio.to_thread(proxy.wait_for, "the holders' blocks in the index", heard, 10)
+        await _until_heard(proxy, e, holder_p, holder_d)
         ref = (await _references(c, [turn2]))[0]
         before = _counters(c)
         ((answer, _),) = await _run(proxy.url, [body2])
@@ -475,14 +493,7 @@ async def test_kv_policy_routes_a_chats_next_turn_by_its_tokenized_history(xpyd)
     c = xpyd
     await _all_in_rotation(c)
     e = c.engines
-    prefills, decodes = [e["p1"].url, e["p2"].url], [e["d1"].url, e["d2"].url]
-    events = [f"--kv-events={x.url}={x.events_endpoint}" for x in e.values()]
-    proxy = await asyncio.to_thread(
-        start_proxy,
-        [*(f"--prefill={u}" for u in prefills), *(f"--decode={u}" for u in decodes),
-         "--policy", "kv", *events, "--health-interval-s", "1",
-         "--timeout-s", str(PROXY_TIMEOUT_S)],
-    )  # fmt: skip
+    proxy = await _kv_proxy(c)
     rng = random.Random(41)
     words = " ".join(f"w{rng.randrange(10_000)}" for _ in range(600))
     turn1 = [{"role": "user", "content": words}]
@@ -497,25 +508,14 @@ async def test_kv_policy_routes_a_chats_next_turn_by_its_tokenized_history(xpyd)
         await asyncio.to_thread(
             proxy.wait_for, "the tokenizer", lambda: proxy.health().get("tokenizer"), 60
         )
-        key = prefix.prefix_key(chat(turn2))
-        ring_p = prefix.choose(prefix.Ring.of(prefills), key, {}, prefills)
-        ring_d = prefix.choose(prefix.Ring.of(decodes), key, {}, decodes)
-        holder_p = next(n for n in ("p1", "p2") if e[n].url != ring_p)
-        holder_d = next(n for n in ("d1", "d2") if e[n].url != ring_d)
+        holder_p, holder_d = _not_the_rings(e, chat(turn2))
         async with client_session(total_timeout_s=PROXY_TIMEOUT_S) as http:
             for name in (holder_p, holder_d):  # plain requests: each computes turn 1 itself
                 url = f"{c.servers[name].url}/v1/chat/completions"
                 async with http.post(url, json=chat(turn1, 1)) as resp:
                     assert resp.status == 200, await resp.text()
 
-            def heard() -> bool:
-                report = proxy.health()
-                return all(
-                    next(b for b in report[role] if b["url"] == e[n].url)["cached_blocks"] > 0
-                    for role, n in (("prefill", holder_p), ("decode", holder_d))
-                )
-
-            await asyncio.to_thread(proxy.wait_for, "the holders' blocks in the index", heard, 10)
+            await _until_heard(proxy, e, holder_p, holder_d)
             async with http.post(f"{c.plain.url}/v1/chat/completions", json=chat(turn2)) as resp:
                 ref = (await resp.json())["choices"][0]
             before = _counters(c)
