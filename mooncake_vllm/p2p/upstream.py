@@ -172,14 +172,18 @@ def parse_query(data: object) -> dict[str, Producer]:
     for dp_rank, entry in data.items():
         try:
             engine_id = entry["engine_id"]
-            ranks = {int(tp): tps for tp, tps in entry["worker_addr"].items()}
+            # worker_addr[tp_rank][pp_rank]
+            ranks = {
+                int(tp): {int(pp): a for pp, a in pps.items()}
+                for tp, pps in entry["worker_addr"].items()
+            }
             if not isinstance(engine_id, str) or sorted(ranks) != list(range(len(ranks))):
                 raise ValueError("engine_id or TP ranks")
-            stages = {int(pp) for tps in ranks.values() for pp in tps}
+            stages = {pp for pps in ranks.values() for pp in pps}
             if sorted(stages) != list(range(len(stages))) or len(stages) > MAX_PP_SIZE:
                 raise ValueError(f"PP ranks {sorted(stages)[:8]}")
             addrs = [
-                _split_worker_addr({int(pp): a for pp, a in ranks[t].items()}[s])
+                _split_worker_addr(ranks[t][s])
                 for s in range(len(stages))
                 for t in range(len(ranks))
             ]

@@ -164,6 +164,8 @@ class _Pull:
     handoff: Handoff
     job: LoadJob[PullOutcome]
     out: _Totals
+    # The grant's segments that hold ours (``WorkerHalf._stage_segments``); None: all, in order.
+    held: dict[int, int] | None = None
 
 
 def _memory_location(t: torch.Tensor) -> str:
@@ -515,9 +517,7 @@ class WorkerHalf:
                 raise PullFailed(load.error)
             assert h is not None and self._engine is not None
             out = _Totals()
-            # Our segments a pipeline stage read from holds (when a grant names its layers).
-            covered: set[int] = set()
-            staged = False
+            covered: set[int] = set()  # our segments the grants read from hold
             sources = self._sources(h)
             for rank, (heads, readers, tp_rank) in sources.items():
                 address = self._producer_address(h, rank)
@@ -549,12 +549,11 @@ class WorkerHalf:
                 if isinstance(h, PendingHandoff):
                     h = self._granted_handoff(h, reply, load)
                     load = dataclasses.replace(load, handoff=h, remote_block_ids=h.remote_block_ids)
-                pull = _Pull(load, h, job, out)
+                held = self._stage_segments(reply) if heads else None
+                pull = _Pull(load, h, job, out, held)
                 if heads:
-                    held = self._stage_segments(reply)
                     covered |= set(range(len(self._owners))) if held is None else set(held)
-                    staged |= held is not None
-                if staged and rank == max(sources):  # every stage's layers known: before a read
+                if rank == max(sources):  # every stage's layers known: before the last read
                     self._check_covered(covered, h)
                 if reply.ready != ALL_LAYERS:  # the prefill computes: take layers as they come
                     self._read_layers(pull, tp_rank, heads, reply, address, owner)
@@ -660,7 +659,7 @@ class WorkerHalf:
                 f"granted by incarnation {reply.incarnation!r} of the producer, the handoff "
                 f"is from {h.producer_incarnation!r}"
             )
-        held = self._stage_segments(reply)  # a pipeline stage's layers: those it holds
+        held = pull.held  # a pipeline stage's layers: those it holds
         if self._block_size is not None and h.block_size != self._block_size:
             if held is not None:
                 raise PullFailed(
