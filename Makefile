@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export MOONCAKE_VLLM_VENV := $(VENV)
 
 .PHONY: setup model test test-long test-unit test-drain test-netns test-ray test-router test-dynamo demo demo-pool lint \
-	format bench bench-aiperf bench-guidellm soak
+	format bench bench-aiperf bench-trace-routing bench-guidellm soak
 
 setup:
 	@bash scripts/setup.sh
@@ -87,6 +87,15 @@ bench-aiperf: setup
 	@bash scripts/setup_tool.sh "$(ROUTER_VENV)" vllm-router==0.1.17 vllm-router --help
 	MOONCAKE_VLLM_AIPERF=$(AIPERF_VENV)/bin/aiperf MOONCAKE_VLLM_ROUTER=$(ROUTER_VENV)/bin/vllm-router \
 		$(PY) -m benchmarks.aiperf_trace $(BENCH_ARGS)
+
+# The trace slice on one 2P2D: our proxy's round_robin, prefix and kv against vLLM's router
+# (cache_aware; kv_aware on the prefills' events), 2 and then 8 conversations at a time
+# (~35 min; docs/benchmarks.md#routing-on-the-trace).
+bench-trace-routing: setup
+	@bash scripts/setup_tool.sh "$(ROUTER_VENV)" vllm-router==0.1.17 vllm-router --help
+	MOONCAKE_VLLM_ROUTER=$(ROUTER_VENV)/bin/vllm-router $(PY) -m benchmarks.trace \
+		--targets plain,2p2d --policy round_robin,prefix,kv,router_cache_aware,router_kv_aware \
+		--conversations 2,8 --name trace-routing $(BENCH_ARGS)
 
 # guidellm 0.8's sweep on plain vLLM and on the pair behind our proxy (~6 min; docs/benchmarks.md).
 GUIDELLM_VENV ?= $(HOME)/.cache/mooncake-vllm/guidellm-venv

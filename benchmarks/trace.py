@@ -45,7 +45,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,14 +68,21 @@ from benchmarks.trace_model import (
 )
 from harness import servers
 from harness.pd import ServerSpec, client_session, kv_args, sse_events, start_many
+from harness.router import ROUTER_ENV, pd_args, router_binary, start_router
 from harness.tiny_model import build_tiny_model
 
 DEFAULT_TRACE = common.REPO_DIR / "benchmarks" / "traces" / "conversation_slice.jsonl"
 TARGETS = ("plain", "pair", "2p2d", "pool")
-POLICIES = ("round_robin", "prefix", "kv")  # 2p2d's proxies, in the order they replay
+# 2p2d's front ends, in the order they replay: our proxy's --policy, and vLLM's router
+# (``make bench-trace-routing`` installs it) with its cache_aware policy on both legs, and with
+# kv_aware prefills on the prefills' KV events.
+OURS = ("round_robin", "prefix", "kv")
+ROUTER_POLICIES = ("router_cache_aware", "router_kv_aware")
+POLICIES = (*OURS, *ROUTER_POLICIES)
 MAX_MODEL_LEN = 4096  # the tiny model's position limit
 VOCAB = 2048  # the tiny model's vocabulary
 TE_PORT = 13603
+BOOTSTRAP_PORT = 8998  # our connector's default, each prefill on its own address
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
@@ -167,6 +174,10 @@ def start_target(target: str, policies: list[str], model: str, workdir: Path,
         by_name = dict(zip(names, engines, strict=True))
         stack = Stack({}, by_name, started)
         for policy in policies if target == "2p2d" else [""]:
+            if policy in ROUTER_POLICIES:
+                stack.proxies[policy] = start_vllm_router(policy, engines[:n], engines[n:],
+                                                          events, log_dir, started)  # fmt: skip
+                continue
             args = ["--policy", policy] if policy else []
             for i in range(n):
                 args += ["--prefill", engines[i].url, "--decode", engines[n + i].url]
@@ -180,6 +191,23 @@ def start_target(target: str, policies: list[str], model: str, workdir: Path,
         for s in reversed(started):
             s.stop()
         raise
+
+
+def start_vllm_router(policy: str, prefills: list, decodes: list, events: dict[str, str],
+                      log_dir: Path, started: list) -> str:  # fmt: skip
+    """vLLM's router in its ``mooncake`` P/D mode over the same engines: ``cache_aware`` on both
+    legs (its defaults), or ``kv_aware`` prefills subscribed to the prefills' KV events
+    (``--pd-kv-events``) with ``kv_aware`` decodes (which see no events: load only)."""
+    args = pd_args([(p.url, BOOTSTRAP_PORT) for p in prefills], [d.url for d in decodes],
+                   "mooncake")  # fmt: skip
+    if policy == "router_cache_aware":
+        args += ["--policy", "cache_aware"]
+    else:
+        args += ["--prefill-policy", "kv_aware", "--decode-policy", "kv_aware"]
+        args += [f"--pd-kv-events={p.url}={events[f'prefill{i}']}" for i, p in enumerate(prefills)]
+    router = start_router(args, name=f"trace-{policy}", log_dir=log_dir, timeout_s=120)
+    started.append(router)
+    return router.url
 
 
 async def one_request(
@@ -210,9 +238,12 @@ async def one_request(
 
 
 async def replay(url: str, model: str, trace: list[TraceRequest], scale: Scale, slo: Slo,
-                 seed: int, desc: str, id_prefix: str) -> tuple[list[dict], float]:  # fmt: skip
-    """Every request of ``trace``, one client per conversation; samples in trace order and the
-    replay's span in seconds. Request ``i`` is sent as ``X-Request-Id: <id_prefix><i>``."""
+                 seed: int, desc: str, id_prefix: str,
+                 at_a_time: int = 0) -> tuple[list[dict], float]:  # fmt: skip
+    """Every request of ``trace``; samples in trace order and the replay's span in seconds.
+    Request ``i`` is sent as ``X-Request-Id: <id_prefix><i>``. ``at_a_time`` 0: one client per
+    conversation, each turn at its scaled arrival time; N > 0: N clients, each playing the next
+    whole conversation (in order of first arrival), every turn as soon as the last is answered."""
     first_ms = min(r.timestamp_ms for r in trace)
     samples: list[dict] = [{} for _ in trace]
     bar = tqdm(total=len(trace), desc=desc, file=sys.stderr)
@@ -223,7 +254,7 @@ async def replay(url: str, model: str, trace: list[TraceRequest], scale: Scale, 
             for i in group:
                 r = trace[i]
                 delay = scale.arrival_s(r, first_ms) - (time.perf_counter() - t_start)
-                if delay > 0:
+                if delay > 0 and not at_a_time:
                     await asyncio.sleep(delay)
                 sent_s = time.perf_counter() - t_start
                 s: dict[str, Any] = {"index": i, "sent_s": sent_s,
@@ -241,7 +272,17 @@ async def replay(url: str, model: str, trace: list[TraceRequest], scale: Scale, 
                 samples[i] = s
                 bar.update()
 
-        await asyncio.gather(*(play(g) for g in conversations(trace)))
+        groups = conversations(trace)
+        if at_a_time:
+            queue = sorted(groups, key=lambda g: trace[g[0]].timestamp_ms)
+
+            async def client() -> None:
+                while queue:
+                    await play(queue.pop(0))
+
+            await asyncio.gather(*(client() for _ in range(min(at_a_time, len(queue)))))
+        else:
+            await asyncio.gather(*(play(g) for g in groups))
         span_s = time.perf_counter() - t_start
     bar.close()
     return samples, span_s
@@ -289,10 +330,10 @@ def choices(log: Path, id_prefix: str, urls: dict[str, str]) -> dict[int, dict[s
 
 
 def run_target(target: str, policies: list[str], model: str, trace: list[TraceRequest],
-               scale: Scale, slo: Slo, seed: int, workdir: Path,
-               log_dir: Path) -> list[dict]:  # fmt: skip
-    """One run per proxy of ``target`` (2p2d: per policy, on the same engines, each after a
-    reset of every engine's prefix cache)."""
+               scale: Scale, slo: Slo, seed: int, workdir: Path, log_dir: Path,
+               at_a_time: Sequence[int] = (0,)) -> list[dict]:  # fmt: skip
+    """One run per proxy of ``target`` and per ``at_a_time`` (2p2d: per policy, on the same
+    engines, each after a reset of every engine's prefix cache)."""
     t0 = time.monotonic()
     stack = start_target(target, policies, model, workdir, log_dir)
     labels = {p: f"{target}:{p}" if p else target for p in stack.proxies}
@@ -304,25 +345,31 @@ def run_target(target: str, policies: list[str], model: str, trace: list[TraceRe
         for policy, url in stack.proxies.items():
             asyncio.run(replay(url, model, warm, scale, slo, seed + 1, f"{labels[policy]} warm-up",
                                f"warm-{policy}-"))  # fmt: skip
-        for policy, url in stack.proxies.items():
-            if target == "2p2d":
-                reset_caches(stack)
-            time.sleep(1.5)  # vLLM publishes its counters about once a second
-            before, done_before = by_source(stack), requests_done(stack)
-            samples, span_s = asyncio.run(replay(url, model, trace, scale, slo, seed,
-                                                 labels[policy], f"trace-{policy}-"))  # fmt: skip
-            time.sleep(2.0)
-            sources = moved(by_source(stack), before)
-            done = moved(requests_done(stack), done_before)
-            runs.append({"target": labels[policy], "span_s": span_s, "samples": samples,
-                         "sources": sources, "requests_per_engine": done})  # fmt: skip
+        # plain answers the same at any concurrency (greedy): once is enough to compare with.
+        for n in at_a_time[:1] if target == "plain" else at_a_time:
+            for policy, url in stack.proxies.items():
+                if target == "2p2d":
+                    reset_caches(stack)
+                time.sleep(1.5)  # vLLM publishes its counters about once a second
+                before, done_before = by_source(stack), requests_done(stack)
+                label = labels[policy] + (f" x{n}" if n else "")
+                prefix = f"trace-{policy}-{n}-"
+                samples, span_s = asyncio.run(replay(url, model, trace, scale, slo, seed, label,
+                                                     prefix, n))  # fmt: skip
+                time.sleep(2.0)
+                sources = moved(by_source(stack), before)
+                done = moved(requests_done(stack), done_before)
+                runs.append({"target": label, "span_s": span_s, "samples": samples,
+                             "sources": sources, "requests_per_engine": done,
+                             "policy": policy, "id_prefix": prefix,
+                             "conversations_at_a_time": n})  # fmt: skip
     finally:
         stack.stop()
     urls = {srv.url: name for name, srv in stack.engines.items()}
-    for policy, run in zip(stack.proxies, runs, strict=False):
-        log = stack.proxy_logs.get(policy)
+    for run in runs:
+        log = stack.proxy_logs.get(run["policy"])
         if log is not None and log.exists():
-            for i, legs in choices(log, f"trace-{policy}-", urls).items():
+            for i, legs in choices(log, run["id_prefix"], urls).items():
                 run["samples"][i].update(legs)
     return runs
 
@@ -368,6 +415,7 @@ def summarize(runs: list[dict], bound: int, slo: Slo, plain: dict | None,
             **attainment(samples, slo, run["span_s"]),
             "ttft_p50_ms": common.percentile([s["ttft_ms"] for s in ok], 50),
             "ttft_p90_ms": common.percentile([s["ttft_ms"] for s in ok], 90),
+            "ttft_p99_ms": common.percentile([s["ttft_ms"] for s in ok], 99),
             "tbt_p90_ms": common.percentile([s["tbt_ms"] for s in ok if s["tbt_ms"]], 90),
             "computed_x_bound": computed / bound,
             "pulled_x_least": pulled / bound if pulled else None,
@@ -417,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="2p2d: the proxies' --policy, comma list, replayed in this order on "
                     "the same engines (%(default)s)")  # fmt: skip
     ap.add_argument("--requests", type=int, default=None, help="the first N requests only")
+    ap.add_argument("--conversations", default="0",
+                    help="comma list of conversations at a time, each replayed in turn: 0 "
+                    "follows the trace's arrival times (every conversation its own client); N "
+                    "keeps N conversations going, each turn sent when the last is answered "
+                    "(%(default)s)")  # fmt: skip
     ap.add_argument("--length-div", type=int, default=4)
     ap.add_argument("--time-mul", type=float, default=0.05)
     ap.add_argument("--max-output-tokens", type=int, default=32)
@@ -444,19 +497,25 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p for p in args.policy.split(",") if p]
     if bad := [p for p in policies if p not in POLICIES]:
         ap.error(f"--policy: {bad} not in {POLICIES}")
+    at_a_time = [int(n) for n in args.conversations.split(",") if n]
+    if any(n < 0 for n in at_a_time) or not at_a_time:
+        ap.error("--conversations: a comma list of counts >= 0")
+    if any(p in ROUTER_POLICIES for p in policies) and router_binary() is None:
+        ap.error(f"--policy {args.policy}: {ROUTER_ENV} names no vllm-router "
+                 "(make bench-trace-routing installs it)")  # fmt: skip
     runs = []
     try:
         for target in targets:
             runs += run_target(target, policies, model, trace, scale, slo, args.seed, workdir,
-                               log_dir)  # fmt: skip
+                               log_dir, at_a_time)  # fmt: skip
     finally:
         servers.stop_all()
-    plain = next((r for r in runs if r["target"] == "plain"), None)
+    plain = next((r for r in runs if r["target"].split(" ")[0] == "plain"), None)
     plain_from = None
     if plain is None and args.compare_with is not None:
         plain_from = args.compare_with
         earlier = json.loads(args.compare_with.read_text())
-        plain = next(r for r in earlier["samples"] if r["target"] == "plain")
+        plain = next(r for r in earlier["samples"] if r["target"].split(" ")[0] == "plain")
         if len(plain["samples"]) != len(trace):
             ap.error(f"--compare-with {args.compare_with}: its plain run has "
                      f"{len(plain['samples'])} requests, this trace {len(trace)}")  # fmt: skip
@@ -465,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         "trace": common._display_path(args.trace), "requests": len(trace),
         "conversations": len(conversations(trace)), "length_div": args.length_div,
         "block_tokens": scale.block_tokens, "time_mul": args.time_mul,
-        "max_output_tokens": args.max_output_tokens, "ttft_slo_ms": args.ttft_slo_ms,
+        "max_output_tokens": args.max_output_tokens, "conversations_at_a_time": at_a_time,
+        "ttft_slo_ms": args.ttft_slo_ms,
         "tbt_slo_ms": args.tbt_slo_ms, "tbt_quantile": args.tbt_quantile, "seed": args.seed,
         "prompt_tokens": prompt_tokens, "bound_tokens": bound,
         "bound_share_%": 100 * bound / prompt_tokens, "max_model_len": MAX_MODEL_LEN,

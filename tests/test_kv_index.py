@@ -343,3 +343,83 @@ def test_pool_spreads_chats_under_one_system_prompt():
         n = len(prompt) // 128  # the engine caches the prompt's full blocks
         index.apply(url, stored(prompt[: n * 128], [next(hashes) for _ in range(n)], None, 128))
     assert 0.4 <= picked.count(P0) / len(picked) <= 0.6, picked
+
+
+# The cost model with a queue weight of 0.5: miss + 0.5 x queued + 2.5 x excess share x P, the
+# least wins (two engines). The pools' own weights are ``QUEUE_WEIGHT`` (tested below).
+@pytest.mark.parametrize(
+    ("matched", "queued", "recent", "prompt_tokens", "expected", "why"),
+    [
+        ({P0: 512}, {}, {}, 712, P0, "idle: 200 to compute on P0 against 712 on P1"),
+        ({P0: 512}, {P0: 600}, {}, 712, P0, "200 + 600 / 2 queued = 500 < 712"),
+        ({P0: 512}, {P0: 1100}, {}, 712, P1, "200 + 550 = 750 > 712: the wait costs more"),
+        ({P0: 512}, {P0: 1100, P1: 200}, {}, 712, P0, "750 < 712 + 100"),
+        ({P0: 128}, {P0: 1000}, {}, 1600, P1, "a new chat's system block is not worth a queue"),
+        ({}, {P1: 10}, {}, 712, P0, "nothing cached anywhere: the shorter queue"),
+        ({P0: 512}, {P0: 300}, {P0: 12, P1: 4}, 712, P1, "queue and share add up: 1240 > 712"),
+        ({P0: 512, P1: 512}, {P0: 1}, {}, 712, P1, "equal caches: one queued token decides"),
+    ],
+)
+def test_cost_model(matched, queued, recent, prompt_tokens, expected, why):
+    urls = (P0, P1)
+    ring = prefix.Ring.of(urls)
+    got = kv_index.choose(
+        matched, {}, urls, ring, KEY, recent_picks=recent, prompt_tokens=prompt_tokens,
+        queued_tokens=queued, queue_weight=0.5,
+    )  # fmt: skip
+    assert got == expected, why
+
+
+def test_a_decodes_queue_is_not_charged():
+    """Queued pulls do not move a decode leg off the engine holding the prompt's history."""
+    urls = (P0, P1)
+    got = kv_index.choose(
+        {P0: 512}, {}, urls, prefix.Ring.of(urls), KEY, prompt_tokens=712,
+        queued_tokens={P0: 5000}, queue_weight=kv_index.QUEUE_WEIGHT["decode"],
+    )  # fmt: skip
+    assert got == P0
+
+
+def test_cost_terms():
+    (a, b) = kv_index.costs(712, {P0: 512}, {P0: 40}, {P0: 12, P1: 4}, [P0, P1], 0.5)
+    assert (a.url, a.miss, a.queued, a.share) == (P0, 200, 20, 2.5 * 0.5 * 712)
+    assert a.total == 200 + 20 + 2.5 * 0.5 * 712
+    assert (b.miss, b.queued, b.share) == (712, 0, 0.0)
+    # Under MIN_RECENT_PICKS picks, or with one engine, no share is judged.
+    assert kv_index.costs(712, {}, {}, {P0: 5, P1: 1}, [P0, P1])[0].share == 0.0
+    assert kv_index.costs(712, {}, {}, {P0: 50}, [P0])[0].share == 0.0
+
+
+def test_equal_costs_follow_the_ring():
+    """Two equal prompts with nothing cached, sent together, agree on the engine."""
+    urls = (P0, P1, P2)
+    ring = prefix.Ring.of(urls)
+    got = {kv_index.choose({}, {}, urls, ring, KEY, prompt_tokens=300) for _ in range(3)}
+    assert got == {prefix.choose(ring, KEY, {}, urls)}
+
+
+def test_the_pool_counts_each_legs_tokens_while_in_flight():
+    """A pick charges its engine the tokens it must compute there, until the leg ends; the
+    next request for the same cached prefix goes elsewhere once that queue costs more."""
+    from mooncake_vllm.proxy.routing import BackendPool, Policy
+
+    weight = kv_index.QUEUE_WEIGHT["prefill"]
+    assert weight > 0
+    index = KvIndex()
+    pool = BackendPool("prefill", (P0, P1), Policy.KV, cache=index)
+    system = list(range(5000, 5512))
+    index.apply(P0, stored(system, [1, 2, 3, 4], None, 128))
+    # A first leg long enough that its queue outweighs the second's cache hit on P0:
+    # 900 to compute + weight x queued > 1412 on P1.
+    suffix = int(600 / weight) + 128
+    first = pool.pick(token_ids=[*system, *range(suffix)])
+    assert first.url == P0
+    charged = pool.begin(first)
+    assert charged == first.tokens_in_flight == suffix
+    second = pool.pick(token_ids=[*system, *range(10**5, 10**5 + 900)])
+    assert second.url == P1
+    pool.begin(second)
+    pool.end(first, charged)
+    assert first.tokens_in_flight == 0 and first.in_flight == 0
+    third = pool.pick(token_ids=[*system, *range(2 * 10**5, 2 * 10**5 + 900)])
+    assert third.url == P0

@@ -86,14 +86,21 @@ class InFlight:
         self._backend = backend
         self._gauge = metrics.in_flight_of(pool.role, backend.url)
         self._released = False
-        pool.begin(backend)
+        self._tokens = pool.begin(backend)
         self._gauge.set(backend.in_flight)
+
+    def settle(self) -> None:
+        """The leg's work is done though it stays in flight (a decode that has pulled and sent
+        its first token): its tokens leave the engine's queue (``Backend.tokens_in_flight``)."""
+        if not self._released:
+            self._pool.settle(self._backend, self._tokens)
+            self._tokens = 0
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
-        self._pool.end(self._backend)
+        self._pool.end(self._backend, self._tokens)
         self._gauge.set(self._backend.in_flight)
 
 

@@ -16,11 +16,11 @@ Pure and I/O-free, table-tested:
 - ``block_keys``: the chained keys of a token sequence's full blocks;
 - ``KvIndex``: events in (``apply``), per engine the prompt tokens its cache holds as a leading
   run of blocks out (``matched_tokens``);
-- ``choose``: the engine with the longest cached prefix among those below the bounded-loads
-  cap (``prefix.capacity``), ties to the fewest in flight; with no engine holding a block of
-  the prompt, today's estimate (``prefix.choose``, the hash ring on the prompt's prefix key);
-  an engine with more than its share of the recent requests gives a request up to a less-used
-  one when the cached tokens lost there are few enough for its excess (``SHARE_WEIGHT``).
+- ``costs`` / ``choose``: the cost model (the comment above ``SHARE_WEIGHT``; docs/proxy.md): per
+  engine below the bounded-loads cap (``prefix.capacity``), the tokens it must compute or pull
+  plus the tokens already queued there plus a charge for its excess share of the pool's recent
+  picks; the least wins. Without the prompt's ids (no tokenizer yet): the longest cached prefix
+  if any, else the hash ring on the prompt's prefix key (``prefix.choose``).
 
 A block is a hit only while the engine still holds every block before it (vLLM evicts a
 chain's tail first, and its prefix-cache lookup stops at the first miss), so the match is the
@@ -310,19 +310,77 @@ class KvIndex:
         return out
 
 
-# How much recompute a request may be sent to (its cached tokens given up, as a fraction of its
-# prompt) per unit of its engine's excess share of the pool's recent requests: an engine at
-# share s of n engines has excess ``s * n - 1``. With two engines, a later turn whose system
-# prompt is on both (it gives up its own ~15 %) moves at ~53 % share, a new chat that would
-# recompute its system prompt elsewhere (~70 % of its first prompt) at ~64 %, an uncached prompt
-# (nothing to give up) at any excess. 2.5 from ``benchmarks.kv_routing_sim`` (this router on
-# kv_routing's workload, 20 seeds, both roles): 1.050x the reuse bound on average and at most
-# 59 % of the requests on one engine; 2 gave 1.032x and 62 %, 4 gave 1.085x and 56 %.
+# The cost model of ``--policy kv`` (docs/proxy.md#the-cost-model), in prompt tokens, the same
+# for a prefill and a decode leg: an engine's cost for a request of P tokens is
+#
+#     miss + QUEUE_WEIGHT[pool] x queued + SHARE_WEIGHT x max(excess, 0) x P
+#
+# - miss: P minus the tokens its cache holds (``KvIndex.matched_tokens``): what it must compute
+#   (a prefill) or pull (a decode) for this request;
+# - queued: the misses of the legs the proxy has in flight on it, the work it must do first (a
+#   prefill's queue; a decode's pulls);
+# - excess: its share of the pool's last ``RECENT_PICKS`` picks over the fair share, ``s x n -
+#   1`` for share s of n engines: the load that never shows in flight at low concurrency (two
+#   chats at a time never overlap a prefill leg) and would otherwise send every chat under one
+#   system prompt after the first.
+#
+# SHARE_WEIGHT 2.5 from ``benchmarks.kv_routing_sim`` (this router on kv_routing's workload, 20
+# seeds, both roles): 1.050x the reuse bound on average and at most 59 % of the requests on one
+# engine; 2 gave 1.032x and 62 %, 4 gave 1.085x and 56 %. With two engines a later turn whose
+# system prompt is on both (it gives up its own ~15 %) moves at ~53 % share, a new chat that
+# would recompute its system prompt elsewhere (~70 % of its first prompt) at ~64 %.
 SHARE_WEIGHT = 2.5
+# What a token queued ahead costs, per pool. A prefill: a tenth of a token of its own: the queue
+# is this request's wait alone and drains at the engine's batch speed, while a token it
+# recomputes elsewhere (history it leaves behind) is work the whole pool pays for, now and when
+# the chat's next turn finds its history split (``benchmarks.trace``, 2P2D, eight conversations
+# at a time: weight 1 computed 1.12x the bound, 0.5 1.05-1.11x, 0.25 1.06x, 0.1 1.04x with the
+# TTFT p50 halved against 0.25, the share term still spreading load to at most 52 %). A decode:
+# nothing: its legs' pulls run beside its running requests rather than ahead of the next one,
+# and what slows a decode (its batch) is what bounded loads and the share see; charged at 0.5
+# it moved turns off their history for pulls soon done (1.13x the least pulled at eight).
+QUEUE_WEIGHT = {"prefill": 0.1, "decode": 0.0}
 # The pool's last picks that make an engine's recent share (``BackendPool``), and how many
 # there must be before a share is judged at all.
 RECENT_PICKS = 64
 MIN_RECENT_PICKS = 8
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One engine's cost for one request (the model above), its terms kept for /health and
+    the tests."""
+
+    url: str
+    miss: int
+    queued: float  # QUEUE_WEIGHT x the tokens queued there
+    share: float  # SHARE_WEIGHT x max(excess, 0) x P
+
+    @property
+    def total(self) -> float:
+        return self.miss + self.queued + self.share
+
+
+def costs(
+    prompt_tokens: int,
+    matched_tokens: Mapping[str, int],
+    queued_tokens: Mapping[str, int],
+    recent_picks: Mapping[str, int],
+    urls: Sequence[str],
+    queue_weight: float = QUEUE_WEIGHT["prefill"],
+) -> list[Cost]:
+    """The cost of each of ``urls`` for a request of ``prompt_tokens`` (missing entries: 0),
+    queued tokens weighed ``queue_weight`` (the pool's ``QUEUE_WEIGHT``). The share term is 0
+    until the pool has ``MIN_RECENT_PICKS`` picks, and with a single URL."""
+    picks = sum(recent_picks.get(url, 0) for url in urls)
+    judged = picks >= MIN_RECENT_PICKS and len(urls) > 1
+    out = []
+    for url in urls:
+        excess = recent_picks.get(url, 0) / picks * len(urls) - 1 if judged else 0.0
+        miss = max(prompt_tokens - matched_tokens.get(url, 0), 0)
+        share = SHARE_WEIGHT * max(excess, 0.0) * prompt_tokens
+        out.append(Cost(url, miss, queue_weight * queued_tokens.get(url, 0), share))
+    return out
 
 
 def choose(
@@ -335,54 +393,47 @@ def choose(
     *,
     recent_picks: Mapping[str, int] | None = None,
     prompt_tokens: int = 0,
+    queued_tokens: Mapping[str, int] | None = None,
+    queue_weight: float = QUEUE_WEIGHT["prefill"],
 ) -> str | None:
-    """The URL for a request: the longest cached prefix, weighed against load.
+    """The URL for a request: the least cost (above), bounded by load.
 
     ``eligible`` in the caller's preference order (round robin), ``in_flight`` per URL (missing:
-    0), ``matched_tokens`` per URL (missing: 0). In three steps:
+    0), ``matched_tokens`` per URL (missing: 0). In two steps:
 
-    1. A URL holding ``load_factor`` × the mean in flight (``prefix.capacity``) is passed over,
-       as under ``--policy prefix``.
-    2. The longest cached prefix wins, ties to the fewest in flight, then the fewest recent
-       picks. When no URL holds a block of the prompt: ``prefix.choose`` on ``key`` (the
-       ring), or, without a key, the fewest in flight.
-    3. Share: at low concurrency nothing is ever in flight enough for step 1, and every chat
-       under one system prompt would follow its first. So when the winner has more than its
-       fair share of ``recent_picks`` (per URL, the pool's last ``RECENT_PICKS`` choices), the
-       request goes to the less-used URL holding the most of it, if the tokens it gives up
-       there are at most ``SHARE_WEIGHT`` × the winner's excess share × ``prompt_tokens``.
-       Without ``prompt_tokens`` (the ids are not known) this step is skipped.
+    1. A URL holding ``load_factor`` x the mean in flight (``prefix.capacity``) is passed over,
+       as under ``--policy prefix``: bounded loads, whatever the costs say.
+    2. With the prompt's length known (``prompt_tokens`` > 0, its ids were matched): the least
+       ``Cost.total``; equal costs to the fewest in flight, then the ring's choice for ``key``
+       among them (so equal prompts sent together agree), then the caller's order. Without it
+       (no ids: nothing was matched): the longest cached prefix, else ``prefix.choose`` on
+       ``key`` (the ring), or, without a key, the fewest in flight.
 
     None when nothing is eligible.
     """
     if not eligible:
         return None
-    recent = recent_picks or {}
     total = sum(in_flight.get(url, 0) for url in eligible)
     cap = prefix.capacity(total, len(eligible), load_factor)
     below = [url for url in eligible if in_flight.get(url, 0) < cap] or list(eligible)
+    if prompt_tokens > 0:
+        queued, recent = queued_tokens or {}, recent_picks or {}
+        ranked = costs(prompt_tokens, matched_tokens, queued, recent, below, queue_weight)
+        least = min(c.total for c in ranked)
+        tied = [c.url for c in ranked if c.total == least]
+        fewest = min(in_flight.get(url, 0) for url in tied)
+        tied = [url for url in tied if in_flight.get(url, 0) == fewest]
+        if len(tied) > 1 and key is not None:
+            return prefix.choose(ring, key, in_flight, tied, load_factor)
+        return tied[0]
     best = max(matched_tokens.get(url, 0) for url in below)
     if best > 0:
         holders = [url for url in below if matched_tokens.get(url, 0) == best]
         # min() keeps the first of equals: the caller's order.
-        chosen = min(holders, key=lambda url: (in_flight.get(url, 0), recent.get(url, 0)))
-    elif key is not None:
-        chosen = prefix.choose(ring, key, in_flight, eligible, load_factor)
-        assert chosen is not None
-    else:
-        chosen = min(eligible, key=lambda url: in_flight.get(url, 0))
-    picks = sum(recent.get(url, 0) for url in eligible)
-    if prompt_tokens <= 0 or picks < MIN_RECENT_PICKS or len(eligible) < 2:
-        return chosen
-    excess = recent.get(chosen, 0) / picks * len(eligible) - 1
-    if excess <= 0:
-        return chosen
-    others = [url for url in below if recent.get(url, 0) < recent.get(chosen, 0)]
-    if not others:
-        return chosen
-    alt = max(others, key=lambda url: (matched_tokens.get(url, 0), -recent.get(url, 0)))
-    given_up = matched_tokens.get(chosen, 0) - matched_tokens.get(alt, 0)
-    return alt if given_up <= SHARE_WEIGHT * excess * prompt_tokens else chosen
+        return min(holders, key=lambda url: in_flight.get(url, 0))
+    if key is not None:
+        return prefix.choose(ring, key, in_flight, eligible, load_factor)
+    return min(eligible, key=lambda url: in_flight.get(url, 0))
 
 
 def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:

@@ -204,6 +204,7 @@ async def open_decode_ok(
         if status >= 500:
             backends.metrics.backend_errors.labels("decode", leg.backend.url, "http_5xx").inc()
         raise ProxyError(status, rewrite.backend_error_body("decode", status, raw))
+    leg.in_flight.settle()  # pulled, and its first token out: no longer the decode's queue
     return leg
 
 

@@ -94,6 +94,11 @@ class Backend:
     # ``--concurrent-max-wait-s``. Bytes, not requests: a long prompt costs more than a short one.
     bytes_in_flight: int = 0
     prefill_s_per_byte: float | None = None
+    # --policy kv: the prompt tokens the legs in flight here must compute (a prefill) or pull
+    # (a decode), as counted when each was picked: the cost model's queue
+    # (``kv_index.costs``). ``pending_tokens``: the last pick's, which ``begin`` adds.
+    tokens_in_flight: int = 0
+    pending_tokens: int = 0
 
     def record_prefill(self, took_s: float, bytes_in_flight: int) -> None:
         """A prefill leg answered in ``took_s``; ``bytes_in_flight`` were on this backend when
@@ -117,6 +122,7 @@ class Backend:
             "next_probe_in_s": round(max(self.next_probe_at_s - now_s, 0.0), 3),
             "trusted": self.trusted,
             "draining": self.draining_since_s is not None,
+            "tokens_in_flight": self.tokens_in_flight,
         }
 
 
@@ -191,6 +197,7 @@ class BackendPool:
             matched: dict[str, int] = {}
             if self.cache is not None and token_ids is not None:
                 matched = self.cache.matched_tokens(token_ids, by_url, *identity)
+            prompt_tokens = len(token_ids) if token_ids is not None else 0
             url = kv_index.choose(
                 matched,
                 in_flight,
@@ -198,11 +205,15 @@ class BackendPool:
                 self._prefix_ring(),
                 key,
                 recent_picks=Counter(self._recent),
-                prompt_tokens=len(token_ids) if token_ids is not None else 0,
+                prompt_tokens=prompt_tokens,
+                queued_tokens={url: self.backends[i].tokens_in_flight for url, i in by_url.items()},
+                queue_weight=kv_index.QUEUE_WEIGHT.get(self.role, 0.0),
             )
             assert url is not None  # candidates is not empty
             self._recent.append(url)
-            return self.backends[by_url[url]]  # round-robin position untouched
+            chosen_backend = self.backends[by_url[url]]  # round-robin position untouched
+            chosen_backend.pending_tokens = max(prompt_tokens - matched.get(url, 0), 0)
+            return chosen_backend
         if self.policy is Policy.PREFIX and key is not None:
             by_url = {self.backends[i].url: i for i in candidates}
             in_flight = {url: self.backends[i].in_flight for url, i in by_url.items()}
@@ -240,11 +251,20 @@ class BackendPool:
             self._next_index = self._next_index % len(self.backends) if self.backends else 0
         return gone
 
-    def begin(self, backend: Backend) -> None:
+    def begin(self, backend: Backend) -> int:
+        """A leg sent to ``backend`` (just picked): the tokens it queued there, for ``end``."""
         backend.in_flight += 1
+        tokens, backend.pending_tokens = backend.pending_tokens, 0
+        backend.tokens_in_flight += tokens
+        return tokens
 
-    def end(self, backend: Backend) -> None:
+    def end(self, backend: Backend, tokens: int = 0) -> None:
         backend.in_flight = max(backend.in_flight - 1, 0)
+        self.settle(backend, tokens)
+
+    def settle(self, backend: Backend, tokens: int) -> None:
+        """``tokens`` of a leg from ``begin`` are done (it may still be in flight)."""
+        backend.tokens_in_flight = max(backend.tokens_in_flight - tokens, 0)
 
     # ---- health ---------------------------------------------------------------------------------
 
