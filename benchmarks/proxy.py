@@ -11,6 +11,9 @@ decode), so every millisecond measured is the proxy's own. Targets, each in fron
 - ``ours_granian``, ``ours_uvicorn``, ``ours_hypercorn``: ``mooncake_vllm.proxy.server`` (the same
   Quart app) served by each ASGI server it supports (``--server``; uvicorn with httptools, all on
   uvloop), so the default can be the fastest of one run;
+- ``ours_traced``: ours on uvicorn (the default server) with ``--otlp-traces-endpoint`` (three
+  spans a request, exported by OTLP/HTTP to a receiver in this process that only counts them):
+  what tracing costs, against ``ours_uvicorn`` with it off;
 - ``toy``: ``benchmarks.toy_proxy`` (FastAPI + httpx on uvicorn).
 
 Latency: one request at a time, targets interleaved round by round (so drift hits all alike);
@@ -32,10 +35,11 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks import common
+from harness.otlp import Receiver
 from harness.servers import ManagedProcess, free_port, http_text
 
 SERVERS = ["granian", "uvicorn", "hypercorn"]
-TARGETS = ["direct", "direct_2leg", *(f"ours_{s}" for s in SERVERS), "toy"]
+TARGETS = ["direct", "direct_2leg", *(f"ours_{s}" for s in SERVERS), "ours_traced", "toy"]
 WARMUP = 50  # requests per target before the measured rounds
 BODY = {"model": "bench", "prompt": "hello " * 32, "max_tokens": 4, "temperature": 0}
 
@@ -173,7 +177,7 @@ def plot(rows: list[dict], samples: list[dict]):
         ax1.set_xticks(range(1, len(TARGETS) + 1), TARGETS, rotation=20)
         ax1.set_ylabel("latency per request (ms)")
         ax1.set_title("one request at a time (whiskers: 1.5 IQR)")
-        colors = ["#999", "#bbb", "#1f77b4", "#4a9ad4", "#9cc7e8", "#ff7f0e"]
+        colors = ["#999", "#bbb", "#1f77b4", "#4a9ad4", "#9cc7e8", "#2ca02c", "#ff7f0e"]
         ax2.bar(TARGETS, [r["max_rps"] for r in rows], color=colors)
         ax2.tick_params(axis="x", labelrotation=20)
         ax2.set_ylabel("requests/s")
@@ -196,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     duration_s = args.duration_s or (10.0 if args.full else 3.0)
     log_dir = Path(tempfile.mkdtemp(prefix="mooncake-vllm-bench-proxy-"))
     procs: list[ManagedProcess] = []
+    receiver = Receiver(keep=False)  # ours_traced's spans, counted
     try:
         urls = {}
         for role in ("prefill", "decode"):
@@ -212,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
                 urls["decode"], "--port", str(port), "--log-level", "warning", "--server", server,
             ], urls[name], log_dir))  # fmt: skip
         port = free_port()
+        urls["ours_traced"] = f"http://127.0.0.1:{port}"
+        procs.append(_start("ours_traced", [
+            "mooncake_vllm.proxy.server", "--prefill", urls["prefill"], "--decode",
+            urls["decode"], "--port", str(port), "--log-level", "warning", "--server", "uvicorn",
+            "--otlp-traces-endpoint", receiver.endpoint,
+        ], urls["ours_traced"], log_dir))  # fmt: skip
+        port = free_port()
         urls["toy"] = f"http://127.0.0.1:{port}"
         procs.append(_start("toy", [
             "benchmarks.toy_proxy", "--prefill", urls["prefill"], "--decode", urls["decode"],
@@ -226,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for p in reversed(procs):
             p.stop(grace_s=5)
+        receiver.stop()
     rows = summarize(samples, cpu_us)
     settings = {
         "mode": "full" if args.full else "quick",
@@ -235,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "concurrency": args.concurrency,
         "body": BODY,
         "stream": False,
+        "spans_received": receiver.count,
         "log_dir": str(log_dir),
     }
     paths = common.write_result(

@@ -109,6 +109,7 @@ class LoadJob(Generic[OutcomeT]):
     def __init__(self, req_id: str, deadline_s: float, awaited: bool):
         self.req_id, self.deadline_s, self.awaited = req_id, deadline_s, awaited
         self.reported = False  # its outcome went to vLLM (possibly before its thread returned)
+        self.resolve_s = 0.0  # spent resolving an upstream handoff's producer (for its span)
         self.future: Future[OutcomeT] | None = None
         self._lock = threading.Lock()
         self._writing = self._abandoned = False

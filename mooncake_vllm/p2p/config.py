@@ -158,6 +158,8 @@ class ConnectorConfig:
     # vLLM's pipeline parallelism: ``pp_size`` stages of ``tp_size`` workers each; worker rank
     # ``pp_rank * tp_size + tp_rank`` has the ports ``2 * rank`` and ``2 * rank + 1``.
     pp_size: int = 1
+    # vLLM's --otlp-traces-endpoint: our spans go there too (``core.tracing``); None: off.
+    otlp_traces_endpoint: str | None = None
 
     @property
     def ranks(self) -> int:

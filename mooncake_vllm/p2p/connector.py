@@ -9,6 +9,7 @@ both, at construction, so a bad config stops vLLM at startup.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -130,6 +131,10 @@ class MooncakeConnector(HalvesConnector, SupportsHMA):
             **vllm_glue.data_parallel_ranks(parallel),
             pp_size=pp_size,
         )
+        observability = getattr(vllm_config, "observability_config", None)
+        endpoint = getattr(observability, "otlp_traces_endpoint", None)
+        if endpoint:
+            self._cfg = dataclasses.replace(self._cfg, otlp_traces_endpoint=endpoint)
         self._scheduler: SchedulerHalf | None = None
         self._worker = None
         layerwise = settings.layerwise_handoff and self._cfg.is_producer

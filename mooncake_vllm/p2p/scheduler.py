@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import zmq
 from vllm.v1.request import RequestStatus
 
+from mooncake_vllm.core import tracing
 from mooncake_vllm.core.auth import host_allowed, short_id
 from mooncake_vllm.core.kv_groups import (
     GroupError,
@@ -90,6 +91,11 @@ logger = logging.getLogger(__name__)
 _HANDOVER_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
+# Leases whose span is waiting for their end; the oldest is dropped past this (a lease that
+# never reports its end costs one entry, not memory without bound).
+MAX_TRACED_LEASES = 4096
+
+
 class SchedulerHalf:
     def __init__(
         self,
@@ -110,6 +116,11 @@ class SchedulerHalf:
         cache groups (``core.kv_groups``; one unless vLLM's hybrid allocator splits the
         model's layers by kind of attention)."""
         self._cfg = cfg
+        # vLLM's --otlp-traces-endpoint: a span per lease (producer) and per pull (consumer,
+        # from the worker); None: off, nothing imported.
+        self._tracer = tracing.tracer(cfg.otlp_traces_endpoint, tracing.CONNECTOR_SERVICE, "grpc")
+        # Producer, tracing on: req id -> (trace context, start ns, transfer id, blocks).
+        self._lease_spans: OrderedDict[str, tuple[dict[str, str], int, str, int]] = OrderedDict()
         self._groups = kv_groups
         self._hold_back = claim_hold_back(kv_groups)
         # Producer: the sliding-window blocks a consumer's first token needs, kept past the
@@ -299,7 +310,9 @@ class SchedulerHalf:
                 logger.warning("request %s: handoff rejected (nothing to pull): %s", req_id, error)
             if handoff is not None:
                 checks = self._checks(request)
-                self._loads[req_id] = LoadSpec(req_id, handoff, [], [], error, checks=checks)
+                self._loads[req_id] = LoadSpec(
+                    req_id, handoff, [], [], error, checks=checks, trace=self._trace_of(request)
+                )
             self._settle_shared(req_id, failed=False)  # vLLM waits for no outcome
             return
         end, size = request.num_prompt_tokens - self._hold_back, self._block_size
@@ -327,6 +340,7 @@ class SchedulerHalf:
             checks=self._checks(request) if pending else {},
             groups=others,
             end_token=end if self._hold_back else 0,
+            trace=self._trace_of(request),
         )
         if self._pins is not None:
             self._pins.pin(req_id, local_block_ids + [b for g in others for b in g.local_block_ids])
@@ -477,6 +491,7 @@ class SchedulerHalf:
         if not self._leases.hold(request.request_id, transfer_id, prompt_block_ids, handoff):
             self._keeper.release([request.request_id])
             return False, None
+        self._lease_opened(request, transfer_id, len(prompt_block_ids))
         return True, self._answer(handoff)
 
     def _finish_early(
@@ -488,6 +503,7 @@ class SchedulerHalf:
         req_id, tid = request.request_id, handoff.transfer_id
         if complete and block_ids == handoff.remote_block_ids:
             if self._leases.hold(req_id, tid, block_ids, handoff):
+                self._lease_opened(request, tid, len(block_ids))
                 return True, self._answer(handoff)
             return False, None  # the lease server is gone: no consumer can read these blocks
         if complete:
@@ -500,6 +516,39 @@ class SchedulerHalf:
             )
         self._leases.abort(req_id, tid, handoff.remote_block_ids)
         return True, None  # freed once the lease has ended (``take_finished``)
+
+    # ---- spans (vLLM's --otlp-traces-endpoint) -----------------------------------------------
+
+    def _trace_of(self, request: Request) -> dict[str, str]:
+        """The request's trace context when tracing is on ({} otherwise: no spans)."""
+        if self._tracer is None:
+            return {}
+        return tracing.trace_headers(getattr(request, "trace_headers", None))
+
+    def _lease_opened(self, request: Request, transfer_id: str, blocks: int) -> None:
+        trace = self._trace_of(request)
+        if not trace:
+            return
+        self._lease_spans[request.request_id] = (trace, tracing.now_ns(), transfer_id, blocks)
+        while len(self._lease_spans) > MAX_TRACED_LEASES:
+            self._lease_spans.popitem(last=False)
+
+    def _lease_ended(self, finished: set[str], reasons: dict[str, str]) -> None:
+        """A ``mooncake.lease`` span per traced lease that ended: held from the prefill's end
+        to the consumer's release (or expiry, eviction, abort), with the reason."""
+        for req_id in finished:
+            opened = self._lease_spans.pop(req_id, None)
+            if opened is None:
+                continue
+            trace, start_ns, transfer_id, blocks = opened
+            reason = reasons.get(req_id, "unknown")
+            span = tracing.Span("mooncake.lease", start_ns, tracing.now_ns(), {
+                "mooncake.transfer_id": transfer_id, "mooncake.request_id": req_id,
+                "mooncake.blocks": blocks, "mooncake.lease.end_reason": reason,
+            })  # fmt: skip
+            if reason not in ("released", "aborted"):
+                span.error = f"lease {reason}"
+            tracing.record(self._tracer, span, trace)
 
     def _open_computing(self, scheduler_output: SchedulerOutput) -> list[str]:
         """``layerwise_handoff``: opens a lease, computing, for a request to hand over whose
@@ -607,6 +656,9 @@ class SchedulerHalf:
         meta.cancelled, self._cancelled = self._cancelled, set()
         if self._leases is not None:
             meta.finished_sending = self._leases.take_finished()
+            ended = self._leases.take_ended_reasons()  # taken every step: it stays bounded
+            if self._lease_spans:
+                self._lease_ended(meta.finished_sending, ended)
             if self._keeper.active:
                 self._keeper.release(meta.finished_sending)
                 self._track(scheduler_output)

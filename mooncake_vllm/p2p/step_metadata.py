@@ -49,6 +49,9 @@ class LoadSpec:
     # The tokens loaded end here, short of the prompt (``kv_groups.claim_hold_back``); 0: the
     # whole prompt.
     end_token: int = 0
+    # The request's trace context (``traceparent``), with tracing on: the pull's spans go under
+    # it (``core.tracing``); {}: no spans.
+    trace: dict[str, str] = field(default_factory=dict)
 
     @property
     def fills_blocks(self) -> bool:

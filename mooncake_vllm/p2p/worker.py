@@ -41,6 +41,7 @@ import torch
 import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from mooncake_vllm.core import tracing
 from mooncake_vllm.core.auth import AuthError, host_allowed, open_record, seal_record, short_id
 from mooncake_vllm.core.kv_groups import GroupError, KVGroup, group_segments, trim_to_remote
 from mooncake_vllm.core.loads import LoadJob, LoadJobs, LoadOutcome, MooncakeWorkerMeta
@@ -195,6 +196,8 @@ class WorkerHalf:
         ``kv_groups``: the KV cache groups (``core.kv_groups``), each read with its own blocks
         into the segments of its own layers."""
         self._cfg = cfg
+        # vLLM's --otlp-traces-endpoint: a span per pull and per release; None: off.
+        self._tracer = tracing.tracer(cfg.otlp_traces_endpoint, tracing.CONNECTOR_SERVICE, "grpc")
         self._groups = kv_groups
         self._group_segments: list[list[int]] = []  # per group: its layers' segment indices
         self._tp_rank = tp_rank
@@ -489,10 +492,44 @@ class WorkerHalf:
     # ---- the pull ------------------------------------------------------------------------
 
     def _pull(self, load: LoadSpec, job: LoadJob[PullOutcome]) -> PullOutcome:
+        start_ns = tracing.now_ns()
         try:
-            return self._pull_once(load, job)
+            outcome = self._pull_once(load, job)
         finally:
             self._cancels.pop(load.req_id, None)
+        if load.trace and self._tracer is not None:
+            self._pull_span(load, job, outcome, start_ns)
+        return outcome
+
+    def _pull_span(
+        self, load: LoadSpec, job: LoadJob[PullOutcome], out: PullOutcome, start_ns: int
+    ) -> None:
+        """``mooncake.pull`` under the request's trace, from what the pull measured: its
+        bootstrap resolve and acquire from its start, its read ending at its end (the
+        durations are measured; where several producer ranks were read, they are summed)."""
+        end_ns = tracing.now_ns()
+        h = load.handoff
+        span = tracing.Span("mooncake.pull", start_ns, end_ns, {
+            "mooncake.request_id": load.req_id,
+            "mooncake.transfer_id": h.transfer_id if h is not None else None,
+            "mooncake.rank": self._rank, "mooncake.ok": out.ok, "mooncake.bytes": out.nbytes,
+            "mooncake.blocks": out.blocks, "mooncake.entries": out.entries,
+            "mooncake.retries": out.retries, "mooncake.layered": out.layered,
+            "mooncake.refused": out.refused, "mooncake.cancelled": out.cancelled,
+            "mooncake.failure_reason": out.reason or None,
+        })  # fmt: skip
+        if not out.ok:
+            span.error = out.reason or "pull failed"
+        at = start_ns
+        if job.resolve_s:
+            span.child("mooncake.bootstrap_resolve", at, at + int(job.resolve_s * 1e9))
+            at += int(job.resolve_s * 1e9)
+        if out.acquire_s:
+            span.child("mooncake.acquire", at, at + int(out.acquire_s * 1e9))
+        if out.read_s:
+            span.child("mooncake.read", end_ns - int(out.read_s * 1e9), end_ns,
+                       **{"mooncake.bytes": out.nbytes, "mooncake.blocks": out.blocks})  # fmt: skip
+        tracing.record(self._tracer, span, load.trace)
 
     def _pull_once(self, load: LoadSpec, job: LoadJob[PullOutcome]) -> PullOutcome:
         start, deadline = time.monotonic(), job.deadline_s
@@ -501,6 +538,8 @@ class WorkerHalf:
                 load = self._resolved(load, deadline - start)
             except PullFailed as e:  # nothing acquired: nothing to release
                 return PullOutcome(load.req_id, ok=not load.fills_blocks, reason=str(e))
+            finally:
+                job.resolve_s = time.monotonic() - start
         h = load.handoff
         if not load.fills_blocks:  # vLLM does not wait on this one: just free the lease
             if h is not None:
@@ -588,7 +627,9 @@ class WorkerHalf:
             return PullOutcome(load.req_id, ok=False, reason=f"{type(e).__name__}: {e}")
         finally:
             for address, owner in acquired.items():
-                self._releases.submit(self._release, address, h.transfer_id, owner, succeeded)
+                self._releases.submit(
+                    self._release, address, h.transfer_id, owner, succeeded, load.trace
+                )
 
     def _read_layers(
         self,
@@ -996,13 +1037,30 @@ class WorkerHalf:
             except Exception as e:  # the producer's lease TTL frees the blocks anyway
                 logger.info("giving back transfer %s failed: %s", short_id(h.transfer_id), e)
 
-    def _release(self, address: str, transfer_id: str, owner: bytes, ok: bool) -> None:
+    def _release(
+        self,
+        address: str,
+        transfer_id: str,
+        owner: bytes,
+        ok: bool,
+        trace: dict[str, str] | None = None,
+    ) -> None:
+        """Ends our lease at ``address``; ``trace``: the request's, for a ``mooncake.release``
+        span (tracing on)."""
+        start_ns, error = tracing.now_ns(), None
         try:
             self._client.call(
                 address, Release(transfer_id, ok, owner), timeout_s=_RELEASE_TIMEOUT_S
             )
         except Exception as e:  # the producer's lease TTL frees the blocks anyway
+            error = f"{type(e).__name__}: {e}"
             logger.warning("release of %s at %s failed: %s", short_id(transfer_id), address, e)
+        if trace and self._tracer is not None:
+            span = tracing.Span("mooncake.release", start_ns, tracing.now_ns(), {
+                "mooncake.transfer_id": transfer_id, "mooncake.producer": address,
+                "mooncake.ok": ok,
+            }, error)  # fmt: skip
+            tracing.record(self._tracer, span, trace)
 
     # ---- teardown ------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from typing import Any
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from mooncake_vllm.core import tracing
 from mooncake_vllm.proxy import concurrent, fanout, legs, prompt_list, rewrite
 from mooncake_vllm.proxy.asgi import Admitted, Answer, GenerationDoor, Incoming, http_error_answer
 from mooncake_vllm.proxy.config import ProxyConfig
@@ -231,6 +232,8 @@ def create_app(cfg: ProxyConfig) -> Quart:
             await follower.stop()
         await prober.stop()  # before the session it probes with closes
         await backends.close()
+        if backends.tracer is not None:
+            await asyncio.to_thread(tracing.shutdown)  # the last spans out
 
     # The routes Quart serves (all but the generation paths, which ``GenerationDoor`` serves)
     # pass the same gate and are counted the same way.
@@ -278,6 +281,8 @@ def create_app(cfg: ProxyConfig) -> Quart:
         if incoming.request_id_header is None and isinstance(body_request_id, str):
             admitted.request_id = rewrite.request_id_from(body_request_id)
         ctx = gate.request_context(admitted, incoming.path, incoming.authorization)
+        if incoming.trace_parent:
+            ctx = dataclasses.replace(ctx, trace_parent=incoming.trace_parent)
         ctx = with_route_keys(ctx, body, cfg.policy)
         tokenizer = app.extensions["tokenizer"]
         if tokenizer is not None and ctx.prompt_token_ids is None:
@@ -309,6 +314,7 @@ def create_app(cfg: ProxyConfig) -> Quart:
         generation,
         max_body_bytes=cfg.max_body_bytes,
         body_timeout_s=cfg.body_timeout_s,
+        tracer=backends.tracer,
     )
     return app
 

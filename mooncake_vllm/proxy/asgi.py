@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from werkzeug.exceptions import (
@@ -32,6 +32,7 @@ from werkzeug.exceptions import (
     RequestEntityTooLarge,
 )
 
+from mooncake_vllm.core import tracing
 from mooncake_vllm.proxy import rewrite
 from mooncake_vllm.proxy.errors import ProxyError
 
@@ -89,6 +90,9 @@ class Incoming:
     authorization: str | None
     request_id_header: str | None
     remote_addr: str | None
+    # The trace context the legs go out under: the client's ``traceparent``/``tracestate``
+    # with tracing off, the proxy's request span with it on ({}: none).
+    trace_parent: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -146,7 +150,9 @@ class GenerationDoor:
         *,
         max_body_bytes: int,
         body_timeout_s: float,
+        tracer: Any = None,
     ) -> None:
+        self._tracer = tracer  # core.tracing's, or None: no spans
         self._app = app
         self._gate = gate
         self._handler = handler
@@ -176,6 +182,7 @@ class GenerationDoor:
     ) -> None:
         path = scope["path"]
         authorization = request_id_header = content_length = None
+        trace_parent: dict[str, str] = {}
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
@@ -183,6 +190,8 @@ class GenerationDoor:
                 request_id_header = value.decode("latin-1")
             elif name == b"content-length":
                 content_length = value
+            elif name in (b"traceparent", b"tracestate") and len(value) <= 1024:
+                trace_parent[name.decode()] = value.decode("latin-1")
         client = scope.get("client")
         admitted = self._gate.admit(
             path, authorization, request_id_header, client[0] if client else None
@@ -190,6 +199,7 @@ class GenerationDoor:
         if admitted.refusal is not None:
             await self._send(send, admitted.refusal, admitted, path)
             return
+        span = None  # the request's span (tracing on)
         try:
             if scope["method"] != "POST":
                 raise _BodyError(
@@ -198,9 +208,18 @@ class GenerationDoor:
             body = await self._read_body(receive, content_length)
             gone.watch(receive, task)
             incoming = Incoming(path, body, authorization, request_id_header, client and client[0])
+            if self._tracer is not None:
+                span = tracing.start(self._tracer, "proxy.request", trace_parent, "SERVER",
+                                     {"http.route": path})  # fmt: skip
+                incoming.trace_parent = tracing.headers_of(span)
+            else:
+                incoming.trace_parent = trace_parent
             answer = await self._handler(incoming, admitted)
         except _BodyError as e:
             answer = e.answer
+        except asyncio.CancelledError:
+            tracing.end(span, "the client went away")
+            raise
         except _ClientLeft:
             logger.info(
                 "%s: the client left before its request body was whole", admitted.request_id
@@ -218,7 +237,16 @@ class GenerationDoor:
             # A streamed answer has taken the slot over by now; it ends with the stream.
             if admitted.client_slot is not None:
                 admitted.client_slot.release_unless_handed_over()
-        await self._send(send, answer, admitted, path)
+        try:
+            await self._send(send, answer, admitted, path)
+        finally:
+            if span is not None:
+                error = f"HTTP {answer.status}" if answer.status >= 400 else None
+                labels = {
+                    "http.status_code": answer.status,
+                    "mooncake.request_id": admitted.request_id,
+                }
+                tracing.end(span, error, **labels)
         gone.stop()
 
     async def _read_body(self, receive: Receive, content_length: bytes | None) -> bytes:

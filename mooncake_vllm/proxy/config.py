@@ -115,6 +115,9 @@ class ProxyConfig(BaseModel):
     # Legs of one prompt list being sent at once: each holds its own encoded body, which
     # repeats every field of the client's body but the prompt.
     prompt_list_concurrency: int = Field(8, ge=1)
+    # OTLP/HTTP traces endpoint (``http://HOST:4318/v1/traces``): a span per request and per
+    # leg, the legs' ``traceparent`` their children's parent (``core.tracing``). None: off.
+    otlp_traces_endpoint: str | None = None
     log_level: LogLevel = "info"
 
     @field_validator("server")

@@ -11,6 +11,7 @@ leg up to its first token all go through it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from mooncake_vllm.core import tracing
 from mooncake_vllm.proxy import drain, http1, kv_index, prefix
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.errors import (
@@ -49,6 +51,11 @@ _ATTEMPTS = 2
 _ABANDONED = "mooncake-proxy: backend left its pool"
 
 T = TypeVar("T")
+# The trace context of the leg being sent (its span's, with tracing on), set by ``Backends.call``
+# around its ``send``: ``RequestContext.headers_for`` adds it to the leg's headers.
+_LEG_TRACE: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "mooncake_leg_trace", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -71,23 +78,34 @@ class RequestContext:
     prompt_identity: tuple[str | None, str | None] = (None, None)
     # The client's admission under --client-* limits; a streamed answer releases it when it ends.
     client_slot: ClientSlot | None = None
+    # The trace context the legs go out under (``asgi.Incoming.trace_parent``); {}: none.
+    trace_parent: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def headers_for(self, backend: Backend, *, json_body: bool = False) -> Mapping[str, str]:
-        """The headers of a call to ``backend``; ``json_body``: a POST of JSON bytes."""
+        """The headers of a call to ``backend``; ``json_body``: a POST of JSON bytes; the leg's
+        ``traceparent`` when there is a trace."""
         headers = self.trusted_headers if backend.trusted else self.untrusted_headers
+        trace = _LEG_TRACE.get()
+        if trace is None:
+            trace = self.trace_parent
+        if trace:
+            headers = {**headers, **trace}
         return {**headers, "Content-Type": "application/json"} if json_body else headers
 
 
 class InFlight:
     """One request outstanding on a backend; ``release()`` is idempotent: call it on any path."""
 
-    def __init__(self, pool: BackendPool, backend: Backend, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self, pool: BackendPool, backend: Backend, metrics: ProxyMetrics, span: Any = None
+    ) -> None:
         self._pool = pool
         self._backend = backend
         self._gauge = metrics.in_flight_of(pool.role, backend.url)
         self._released = False
         self._tokens = pool.begin(backend)
         self._gauge.set(backend.in_flight)
+        self.span = span  # the leg's span (tracing on): it ends with the leg
 
     def settle(self) -> None:
         """The leg's work is done though it stays in flight (a decode that has pulled and sent
@@ -96,12 +114,13 @@ class InFlight:
             self._pool.settle(self._backend, self._tokens)
             self._tokens = 0
 
-    def release(self) -> None:
+    def release(self, error: str | None = None) -> None:
         if self._released:
             return
         self._released = True
         self._pool.end(self._backend, self._tokens)
         self._gauge.set(self._backend.in_flight)
+        tracing.end(self.span, error)
 
 
 @dataclass(frozen=True)
@@ -133,6 +152,8 @@ class Backends:
         self.cfg = cfg
         self.metrics = metrics
         backoff = Backoff(initial_s=1.0, max_s=30.0)
+        # Spans of each leg (--otlp-traces-endpoint; None: off, nothing imported).
+        self.tracer = tracing.tracer(cfg.otlp_traces_endpoint, tracing.PROXY_SERVICE)
         # What the engines' prefix caches hold (--policy kv), fed by ``kv_events``.
         self.cache = kv_index.KvIndex() if cfg.policy is Policy.KV else None
         self.pools = {
@@ -295,12 +316,19 @@ class Backends:
         while counted < _ATTEMPTS:
             backend = _pick(pool, tried, last, ctx)
             deadline = LegDeadline.of(self.cfg, ctx.started_s, prefill=pool.role == "prefill")
-            in_flight = InFlight(pool, backend, self.metrics)
+            span = None
+            if self.tracer is not None:
+                attributes = {"mooncake.backend": backend.url, "mooncake.attempt": len(tried) + 1,
+                              "mooncake.request_id": ctx.request_id}  # fmt: skip
+                span = tracing.start(self.tracer, f"proxy.{role}", ctx.trace_parent, "CLIENT",
+                                     attributes)  # fmt: skip
+            in_flight = InFlight(pool, backend, self.metrics, span)
+            leg_trace = _LEG_TRACE.set(tracing.headers_of(span) if span is not None else None)
             try:
                 answer = await self._answer(backend, send(backend, deadline), pool.role)
             except BaseException as e:  # a cancelled call gives its in-flight count back too
-                in_flight.release()
                 failure = classify(e, pool.role, backend.url, deadline)
+                in_flight.release(failure.message if failure is not None else type(e).__name__)
                 if failure is None:
                     raise
                 self.record_failure(pool, backend, failure)
@@ -314,6 +342,8 @@ class Backends:
                 counted += failure.kind is not FailureKind.DRAINING
                 last = failure
                 continue
+            finally:
+                _LEG_TRACE.reset(leg_trace)
             return Attempt(pool, backend, deadline, in_flight, answer)
         assert last is not None
         raise PoolExhausted.of(502, last.message, "backend_error")

@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(%(default)s)",
     )
     p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry spans (the request, each leg) by OTLP/HTTP to URL, e.g. "
+        "http://collector:4318/v1/traces; each leg's traceparent makes the engine's spans "
+        "children of the leg's (give vLLM --otlp-traces-endpoint too). Off by default",
+    )
+    p.add_argument(
         "--max-prompts",
         type=int,
         default=defaults["max_prompts"].default,

@@ -86,6 +86,7 @@ class LeaseService:
         self._held_bytes: dict[str, int] = {}  # req id -> bytes held on all ranks
         self._ended_tables: Counter[str] = Counter()  # req id -> tables whose lease ended
         self._reasons: Counter[str] = Counter()
+        self._by_request: dict[str, str] = {}  # req id -> why its lease ended (table 0)
         self._finished: set[str] = set()
         self._gone_at: float | None = None  # when the lease server was found gone
         self.addresses = [f"{cfg.host}:{cfg.side_channel_port(r)}" for r in range(cfg.ranks)]
@@ -187,6 +188,13 @@ class LeaseService:
                 self._held_bytes.clear()
             return done
 
+    def take_ended_reasons(self) -> dict[str, str]:
+        """Why each lease ended (rank 0's table), by request id, since the last call."""
+        self._read_reports()
+        with self._lock:
+            out, self._by_request = self._by_request, {}
+            return out
+
     def take_ended_counts(self) -> dict[str, int]:
         """Leases ended since the last call, by reason (counted on rank 0's table only)."""
         self._read_reports()
@@ -226,6 +234,7 @@ class LeaseService:
 
     def _apply(self, report: Ended) -> None:
         self._reasons.update(report.reasons)
+        self._by_request.update(report.by_request)
         for req_ids in report.req_ids:
             for req_id in req_ids:
                 self._ended_tables[req_id] += 1

@@ -139,6 +139,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
 class Ended(msgspec.Struct, tag="ended", frozen=True):
     req_ids: list[list[str]]  # per table: requests whose lease ended there
     reasons: dict[str, int]  # leases ended in table 0, by reason
+    by_request: dict[str, str] = {}  # request id -> why its lease ended in table 0
 
 
 class Dropped(msgspec.Struct, tag="dropped", frozen=True):
@@ -327,8 +328,9 @@ class LeaseServer:
         if not any(req_ids):
             return
         reasons = self._tables[0].take_ended_counts()
+        by_request = self._tables[0].take_ended_reasons()
         try:
-            self._conn.send_bytes(encode(Ended(req_ids, reasons)))
+            self._conn.send_bytes(encode(Ended(req_ids, reasons, by_request)))
         except OSError:  # the engine core has gone: nothing is left to free
             self._stopping = True
             return

@@ -145,6 +145,8 @@ class LeaseTable:
         self._ended_computing: OrderedDict[str, str] = OrderedDict()
         self._marks_needed = marks_needed  # producer ranks that write each layer of a lease
         self.ended_counts: dict[str, int] = {}
+        # Request -> why its lease ended, since the last ``take_ended_reasons`` (for spans).
+        self.ended_reasons: dict[str, str] = {}
 
     def add(
         self,
@@ -327,6 +329,12 @@ class LeaseTable:
             out, self.ended_counts = self.ended_counts, {}
             return out
 
+    def take_ended_reasons(self) -> dict[str, str]:
+        """Why each lease ended since the last call, by request id."""
+        with self._lock:
+            out, self.ended_reasons = self.ended_reasons, {}
+            return out
+
     def take_finished(self) -> set[str]:
         with self._lock:
             out, self._finished_req_ids = self._finished_req_ids, set()
@@ -365,3 +373,4 @@ class LeaseTable:
         else:
             self._finished_req_ids.add(lease.req_id)
         self.ended_counts[reason] = self.ended_counts.get(reason, 0) + 1
+        self.ended_reasons[lease.req_id] = reason
