@@ -9,8 +9,8 @@ import json
 import pytest
 
 from mooncake_vllm.core.settings import CONFIG_PATH_ENV, ConfigError
+from mooncake_vllm.metadata import MetadataTarget
 from mooncake_vllm.p2p.config import load_settings, resolve
-from mooncake_vllm.transfer.stores import MetadataTarget
 
 # ---- config: load_settings ------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from mooncake_vllm.core import auth
 from mooncake_vllm.core.registry import SERVING_PREFIX, ServingRecord, encode_serving, serving_key
 from mooncake_vllm.core.serving_url import find_serving_url, url_from_vllm_argv
 from mooncake_vllm.core.settings import ConfigError
+from mooncake_vllm.metadata import StoreUnavailable, open_store, parse_metadata_server
 from mooncake_vllm.p2p.config import load_settings
 from mooncake_vllm.proxy.config import ProxyConfig
 from mooncake_vllm.proxy.discovery import RegistryFollower, wanted_backends
@@ -30,7 +31,6 @@ from mooncake_vllm.proxy.failover import Backends, RequestContext
 from mooncake_vllm.proxy.metrics import ProxyMetrics
 from mooncake_vllm.proxy.routing import BackendPool, NoHealthyBackend
 from mooncake_vllm.proxy.server import parse_args
-from mooncake_vllm.transfer.stores import StoreUnavailable, open_store, parse_metadata_server
 
 API = "vllm.entrypoints.openai.api_server"
 

@@ -21,6 +21,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from mooncake_vllm.core.registry import registry_key, serving_key
+from mooncake_vllm.metadata import (
+    MemoryStore,
+    MetadataAuth,
+    MetadataTarget,
+    StoreUnavailable,
+)
 from mooncake_vllm.transfer.store_bridge import (
     KeyScope,
     MetadataBridge,
@@ -28,12 +34,6 @@ from mooncake_vllm.transfer.store_bridge import (
     _CachedStore,
     bridge_app,
     metadata_app,
-)
-from mooncake_vllm.transfer.stores import (
-    MemoryStore,
-    MetadataAuth,
-    MetadataTarget,
-    StoreUnavailable,
 )
 
 SEGMENT = "127.0.0.2:13003"

@@ -24,9 +24,9 @@ from aiohttp import web
 
 from harness.local_proxy import start_app, wait_for_listener
 from harness.servers import free_port
+from mooncake_vllm.metadata import redact_url
 from mooncake_vllm.proxy.http_head import MAX_HEAD_BYTES, BoundedHttpToolsProtocol
 from mooncake_vllm.proxy.server import parse_args, startup_line
-from mooncake_vllm.transfer.stores import redact_url
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024

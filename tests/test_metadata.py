@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from harness import servers
+from mooncake_vllm.metadata import MetadataTarget, StoreUnavailable, open_store
 from mooncake_vllm.transfer.store_bridge import KeyScope, MetadataBridge, MetadataUnavailable
-from mooncake_vllm.transfer.stores import MetadataTarget, StoreUnavailable, open_store
 
 pytestmark = pytest.mark.servers
 

@@ -15,15 +15,7 @@ from pydantic import ValidationError
 
 from harness import servers
 from mooncake_vllm.core.settings import ConfigError
-from mooncake_vllm.p2p.config import load_settings
-from mooncake_vllm.transfer.http_store import main as metadata_server_main
-from mooncake_vllm.transfer.store_bridge import (
-    KeyScope,
-    MetadataBridge,
-    MetadataUnavailable,
-    metadata_app,
-)
-from mooncake_vllm.transfer.stores import (
+from mooncake_vllm.metadata import (
     MemoryStore,
     MetadataAuth,
     MetadataTarget,
@@ -32,6 +24,14 @@ from mooncake_vllm.transfer.stores import (
     open_store,
     parse_metadata_server,
     redact_url,
+)
+from mooncake_vllm.p2p.config import load_settings
+from mooncake_vllm.transfer.http_store import main as metadata_server_main
+from mooncake_vllm.transfer.store_bridge import (
+    KeyScope,
+    MetadataBridge,
+    MetadataUnavailable,
+    metadata_app,
 )
 
 SECRET = "hunter2-not-for-logs"
@@ -216,7 +216,7 @@ def test_credentials_that_fit(server, fields, secret_file, tmp_path):
 async def test_a_password_in_the_url_works_is_warned_about_and_never_shown(caplog):
     port = servers.free_port()  # nothing listens: the error must not show the password either
     target = parse_metadata_server(f"redis://app:{SECRET}@127.0.0.1:{port}")
-    with caplog.at_level(logging.WARNING, logger="mooncake_vllm.transfer.stores"):
+    with caplog.at_level(logging.WARNING, logger="mooncake_vllm.metadata.factory"):
         store = open_store(target)
     try:
         assert "carries credentials in its URL" in caplog.text

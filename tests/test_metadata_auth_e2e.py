@@ -25,14 +25,14 @@ import redis
 
 from harness import servers
 from harness.tls import make_pki
-from mooncake_vllm.transfer.store_bridge import KeyScope, MetadataBridge, MetadataUnavailable
-from mooncake_vllm.transfer.stores import (
+from mooncake_vllm.metadata import (
     MetadataAuth,
     StoreAuthError,
     StoreUnavailable,
     open_store,
     parse_metadata_server,
 )
+from mooncake_vllm.transfer.store_bridge import KeyScope, MetadataBridge, MetadataUnavailable
 
 pytestmark = pytest.mark.servers
 

@@ -44,7 +44,7 @@ from harness.pd import (
 )
 from harness.xpyd import ProxyServer, start_proxy
 from mooncake_vllm.core.registry import decode_record, registry_key
-from mooncake_vllm.transfer.stores import open_store, parse_metadata_server
+from mooncake_vllm.metadata import open_store, parse_metadata_server
 
 pytestmark = pytest.mark.servers
 

@@ -19,8 +19,8 @@ from aiohttp import web
 from harness.servers import free_port
 from mooncake_vllm.core import auth
 from mooncake_vllm.core.registry import ServingRecord, encode_serving, serving_key
+from mooncake_vllm.metadata import MemoryStore
 from mooncake_vllm.transfer.store_bridge import metadata_app
-from mooncake_vllm.transfer.stores import MemoryStore
 
 # The fake vLLM servers of test_proxy_faults (the in-process proxy: conftest's start_proxy).
 fakes, prefill, decode, client = faults.fakes, faults.prefill, faults.decode, faults.client

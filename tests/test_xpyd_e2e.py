@@ -59,8 +59,8 @@ from mooncake_vllm.core.registry import (
     encode_serving,
     serving_key,
 )
+from mooncake_vllm.metadata import open_store, parse_metadata_server
 from mooncake_vllm.proxy import prefix
-from mooncake_vllm.transfer.stores import open_store, parse_metadata_server
 
 pytestmark = pytest.mark.servers
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mooncake_vllm.transfer.stores import redact_url
+from mooncake_vllm.metadata import redact_url
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 

@@ -14,7 +14,7 @@ from mooncake_vllm.core.auth import Keys, load_keys
 from mooncake_vllm.core.serving_url import normalize_advertise_url
 from mooncake_vllm.core.settings import ConfigError, SharedSettings, check_role
 from mooncake_vllm.core.settings import load_settings as _load
-from mooncake_vllm.transfer.stores import (
+from mooncake_vllm.metadata import (
     P2P_HANDSHAKE,
     MetadataAuth,
     MetadataTarget,
@@ -45,7 +45,7 @@ class MooncakeSettings(SharedSettings):
         None, description="address to advertise instead of the url's host"
     )
     # P2PHANDSHAKE, etcd(s)://h:p[,h:p], redis(s)://h:p, http(s)://h:p/metadata (the "s" forms
-    # over TLS), or a bare h:p read with metadata_backend (the seed's form); see transfer.stores.
+    # over TLS), or a bare h:p read with metadata_backend (the seed's form); see metadata.targets.
     metadata_server: str = P2P_HANDSHAKE
     metadata_backend: Literal["etcd", "redis", "http"] | None = None
     # Keys an engine publishes in the store expire this long after it stops refreshing them.

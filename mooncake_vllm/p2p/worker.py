@@ -68,6 +68,7 @@ from mooncake_vllm.core.registry import (
 )
 from mooncake_vllm.core.serving_url import find_serving_url
 from mooncake_vllm.core.worker_stats import WorkerStats
+from mooncake_vllm.metadata import P2P_HANDSHAKE
 from mooncake_vllm.p2p.config import ConnectorConfig
 from mooncake_vllm.p2p.leases.process import LayerDone, encode
 from mooncake_vllm.p2p.local_channels import WakeSender, claim, layers_endpoint, wake_endpoint
@@ -92,7 +93,6 @@ from mooncake_vllm.p2p.step_metadata import LoadSpec, MooncakeConnectorMetadata
 from mooncake_vllm.p2p.upstream import BootstrapError, BootstrapResolver
 from mooncake_vllm.transfer.engine import TransferAgent
 from mooncake_vllm.transfer.store_bridge import KeyScope, MetadataBridge
-from mooncake_vllm.transfer.stores import P2P_HANDSHAKE
 
 logger = logging.getLogger(__name__)
 

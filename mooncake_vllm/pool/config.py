@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from mooncake_vllm.core.settings import ConfigError, SharedSettings
-from mooncake_vllm.transfer.stores import parse_metadata_server, split_host_port
+from mooncake_vllm.metadata import parse_metadata_server, split_host_port
 
 # The store refuses a mounted segment below this (measured on 0.3.13.post1: setup returns -600,
 # "Total size must be at least 16777216").

@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from mooncake_vllm.core.os_threads import adopt_native_threads, native_threads
+from mooncake_vllm.metadata import redact_url
 from mooncake_vllm.pool.config import PoolSettings
-from mooncake_vllm.transfer.stores import redact_url
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mooncake_vllm.core import auth
+from mooncake_vllm.metadata import MetadataAuth, check_auth, parse_metadata_server
 from mooncake_vllm.proxy.http_servers import DEFAULT_HTTP_SERVER, HttpServer, check_installed
 from mooncake_vllm.proxy.routing import Policy
-from mooncake_vllm.transfer.stores import MetadataAuth, check_auth, parse_metadata_server
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 

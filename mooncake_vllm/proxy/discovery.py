@@ -42,17 +42,17 @@ import msgspec
 
 from mooncake_vllm.core import auth
 from mooncake_vllm.core.registry import SERVING_PREFIX, decode_serving
-from mooncake_vllm.proxy.config import normalize_backend_url
-from mooncake_vllm.proxy.failover import Backends
-from mooncake_vllm.proxy.health import stop_task
-from mooncake_vllm.proxy.routing import Backend
-from mooncake_vllm.transfer.stores import (
+from mooncake_vllm.metadata import (
     MetadataAuth,
     Store,
     StoreUnavailable,
     open_store,
     parse_metadata_server,
 )
+from mooncake_vllm.proxy.config import normalize_backend_url
+from mooncake_vllm.proxy.failover import Backends
+from mooncake_vllm.proxy.health import stop_task
+from mooncake_vllm.proxy.routing import Backend
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 

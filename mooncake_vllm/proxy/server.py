@@ -20,11 +20,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from mooncake_vllm.metadata import redact_url
 from mooncake_vllm.proxy.app import create_app
 from mooncake_vllm.proxy.config import LogLevel, ProxyConfig
 from mooncake_vllm.proxy.http_servers import SERVE, HttpServer
 from mooncake_vllm.proxy.routing import Policy
-from mooncake_vllm.transfer.stores import redact_url
 
 logger = logging.getLogger("mooncake_vllm.proxy")
 

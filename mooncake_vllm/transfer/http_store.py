@@ -23,8 +23,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mooncake_vllm.metadata import MemoryStore, read_secret
 from mooncake_vllm.transfer.store_bridge import metadata_app
-from mooncake_vllm.transfer.stores import MemoryStore, read_secret
 
 
 def _is_loopback(host: str) -> bool:

@@ -42,7 +42,7 @@ from aiohttp import web
 
 from mooncake_vllm.core import os_threads
 from mooncake_vllm.core.registry import registry_key, serving_key
-from mooncake_vllm.transfer.stores import (
+from mooncake_vllm.metadata import (
     MetadataAuth,
     MetadataTarget,
     Store,
