@@ -414,7 +414,7 @@ def test_a_decode_leg_of_upstreams_convention_becomes_a_pending_load(consumer):
         "e-1",
         "http://127.0.0.2:8998",
     )
-    assert load.local_block_ids == [10, 11, 12] and load.checks["prompt_len"] == 300
+    assert load.local_block_ids == [10, 11, 12] and load.checks.prompt_len == 300
 
 
 @pytest.mark.parametrize(
@@ -851,7 +851,7 @@ def test_a_consumer_takes_a_pending_handoff_and_cancels_its_pull_when_aborted(co
     (load,) = consumer.build_connector_meta(STEP).loads
     assert isinstance(load.handoff, protocol.PendingHandoff) and load.error is None
     assert (load.remote_block_ids, load.local_block_ids) == ([], [7, 8, 9])
-    assert load.checks["prompt_len"] == 300 and load.checks["compat_hash"] == HASH
+    assert load.checks.prompt_len == 300 and load.checks.compat_hash == HASH
     req.status = RequestStatus.FINISHED_ABORTED
     assert consumer.request_finished(req, [7, 8, 9]) == (False, None)
     assert consumer.build_connector_meta(STEP).cancelled == {"d1"}

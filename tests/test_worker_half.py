@@ -89,9 +89,8 @@ def make_worker(engine, side_channel, load_timeout_s: float = 0.6, **settings) -
     )
     worker = WorkerHalf(resolve(settings, "kv_consumer", "consumer", 1), 0, "hash", 8)
     # What register_kv_caches sets up around a real engine and real KV tensors.
-    worker._engine = TransferAgent.wrapping(engine)
-    worker._segments = [LOCAL]
-    worker._client = side_channel
+    worker._puller.attach(TransferAgent.wrapping(engine), [LOCAL])
+    worker._puller._client = side_channel
     return worker
 
 
@@ -139,7 +138,7 @@ class WakeRecorder:
         self.worker, self.seen = worker, []
 
     def wake(self):
-        self.seen.append(self.worker._pulls.running() == 0)
+        self.seen.append(self.worker._puller.running() == 0)
 
     def close(self):
         pass
@@ -381,7 +380,7 @@ def test_a_producer_looked_up_in_the_registry_must_be_signed_and_trusted(
     if trusted is not None:
         settings["trusted_producers"] = trusted
     worker = make_worker(engine, channel, **settings)
-    worker._bridge = FakeBridge({registry_key("producer", 0): stored})
+    worker._puller._bridge = FakeBridge({registry_key("producer", 0): stored})
     meta = load()
     spec = meta.loads[0]
     # No side channel in the handoff: the worker looks the producer up by its engine id.
@@ -437,9 +436,9 @@ def _layout_worker(engine, channel, tp_size: int, rank: int, block_size: int) ->
     settings = load_settings({"decode_url": "127.0.0.1:17000"}, env={})
     cfg = resolve(settings, "kv_consumer", "consumer", tp_size)
     worker = WorkerHalf(cfg, rank, "hash", 8, kv_heads=4, block_size=block_size)
-    worker._engine = TransferAgent.wrapping(engine)
-    worker._segments = [_cpu_segment(20_000, 4 // tp_size, block_size)]
-    worker._client = channel
+    segment = _cpu_segment(20_000, 4 // tp_size, block_size)
+    worker._puller.attach(TransferAgent.wrapping(engine), [segment])
+    worker._puller._client = channel
     return worker
 
 
@@ -530,8 +529,9 @@ def pending_load(req_id: str = "req-1", blocks: int = 2) -> MooncakeConnectorMet
         side_channel_ports=[16000],
         producer_tp_size=1,
     )
-    checks = {"prompt_len": blocks * 16, "compat_hash": "hash", "kv_heads": 1, "tp_size": 1,
-              "block_size": 16}  # fmt: skip
+    checks = protocol.HandoffChecks(
+        prompt_len=blocks * 16, compat_hash="hash", kv_heads=1, tp_size=1, block_size=16
+    )
     spec = LoadSpec(req_id, pending, [], list(range(3, 3 + blocks)), checks=checks)
     return MooncakeConnectorMetadata(loads=[spec])
 
@@ -610,8 +610,9 @@ XFER = "xfer-3f2b8c1e-9d4a-4e6f-8b1c-2a3d4e5f6a7b"
 def upstream_load(bootstrap_addr: str, engine_id: str = "producer") -> MooncakeConnectorMetadata:
     params = {"transfer_id": XFER, "remote_bootstrap_addr": bootstrap_addr}
     pending = upstream.to_pending({**params, "remote_engine_id": engine_id})
-    checks = {"prompt_len": 32, "compat_hash": "hash", "kv_heads": 1, "tp_size": 1,
-              "block_size": 16}  # fmt: skip
+    checks = protocol.HandoffChecks(
+        prompt_len=32, compat_hash="hash", kv_heads=1, tp_size=1, block_size=16
+    )
     return MooncakeConnectorMetadata(loads=[LoadSpec("req-1", pending, [], [3, 4], checks=checks)])
 
 
@@ -704,7 +705,7 @@ def test_a_pull_granted_while_the_prefill_computes_reads_each_layer_as_it_is_wri
     )
     channel.engine = engine
     worker = make_worker(engine, channel, load_timeout_s=5.0)
-    worker._segments = [LOCAL, LOCAL_1]
+    worker._puller._reader._segments = [LOCAL, LOCAL_1]
     worker.start_load_kv(pending_load())
     recving, failed, settled = collect_until(worker, lambda r, f, s: s)
     assert (recving, failed, settled) == ({"req-1"}, set(), ["req-1"])
@@ -727,7 +728,7 @@ def test_a_prefill_aborted_while_its_layers_are_read_fails_the_pull(engine):
     channel = LayeredSideChannel(granted_handoff(), [refused])
     channel.engine = engine
     worker = make_worker(engine, channel, load_timeout_s=5.0)
-    worker._segments = [LOCAL, LOCAL_1]
+    worker._puller._reader._segments = [LOCAL, LOCAL_1]
     worker.start_load_kv(pending_load())
     recving, failed, _ = collect_until(worker, lambda r, f, s: s)
     assert (recving, failed) == ({"req-1"}, {"req-1"})  # through vLLM's failure policy

@@ -6,6 +6,7 @@ frames are msgpack over ZeroMQ between a consumer worker and the producer worker
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from array import array
@@ -189,6 +190,26 @@ def parse_handoff(params: dict[str, Any]) -> Handoff:
         )
     _check_producer(h)
     return h
+
+
+@dataclasses.dataclass(frozen=True)
+class HandoffChecks:
+    """What a consumer checks a handoff against (``validate_handoff``'s arguments): the request
+    (its prompt's length and digest) and this consumer (model, layout, TP, block size, groups)."""
+
+    prompt_len: int
+    compat_hash: str
+    kv_heads: int
+    tp_size: int
+    block_size: int
+    kv_layout: str = ""
+    reblock_format: str = ""
+    prompt_digest: str = ""
+    kv_groups: int = 1
+
+    def validate(self, h: Handoff) -> None:
+        """``validate_handoff`` with these; raises HandoffError."""
+        validate_handoff(h, **dataclasses.asdict(self))
 
 
 def validate_handoff(

@@ -54,11 +54,11 @@ from mooncake_vllm.p2p.local_channels import WakeForwarder, wake_endpoint
 from mooncake_vllm.p2p.params import asks_remote_decode, asks_remote_prefill, param_type_error
 from mooncake_vllm.p2p.protocol import (
     Handoff,
+    HandoffChecks,
     HandoffError,
     PendingHandoff,
     is_transfer_id,
     request_prompt_digest,
-    validate_handoff,
 )
 from mooncake_vllm.p2p.stats import MooncakeStats
 from mooncake_vllm.p2p.step_metadata import GroupLoad, LoadSpec, MooncakeConnectorMetadata
@@ -337,7 +337,7 @@ class SchedulerHalf:
             local_block_ids,
             error,
             first_token=first * size,
-            checks=self._checks(request) if pending else {},
+            checks=self._checks(request) if pending else None,
             groups=others,
             end_token=end if self._hold_back else 0,
             trace=self._trace_of(request),
@@ -371,19 +371,19 @@ class SchedulerHalf:
         if transfer_id is not None and (shared := self._shared.get(transfer_id)) is not None:
             shared.state = "failed" if failed else "done"
 
-    def _checks(self, request: Request) -> dict[str, Any]:
-        """``validate_handoff``'s arguments for ``request`` on this consumer."""
-        return {
-            "prompt_len": request.num_prompt_tokens,
-            "compat_hash": self._compat_hash,
-            "kv_heads": self._kv_heads,
-            "tp_size": self._cfg.tp_size,
-            "block_size": self._block_size,
-            "kv_layout": self._kv_layout,
-            "reblock_format": self._reblock_format,
-            "prompt_digest": request_prompt_digest(request),
-            "kv_groups": len(self._groups),
-        }
+    def _checks(self, request: Request) -> HandoffChecks:
+        """What a handoff for ``request`` is checked against on this consumer."""
+        return HandoffChecks(
+            prompt_len=request.num_prompt_tokens,
+            compat_hash=self._compat_hash,
+            kv_heads=self._kv_heads,
+            tp_size=self._cfg.tp_size,
+            block_size=self._block_size,
+            kv_layout=self._kv_layout,
+            reblock_format=self._reblock_format,
+            prompt_digest=request_prompt_digest(request),
+            kv_groups=len(self._groups),
+        )
 
     def _check(
         self, request: Request, params: dict[str, Any]
@@ -424,7 +424,7 @@ class SchedulerHalf:
         if isinstance(handoff, PendingHandoff):
             return handoff, None
         try:
-            validate_handoff(handoff, **self._checks(request))
+            self._checks(request).validate(handoff)
         except HandoffError as e:
             return handoff, str(e)  # still release the producer's lease
         return handoff, None

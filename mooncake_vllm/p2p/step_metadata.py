@@ -4,11 +4,10 @@ and workers → scheduler (``core.loads.MooncakeWorkerMeta``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from mooncake_vllm.p2p.protocol import Handoff, PendingHandoff
+from mooncake_vllm.p2p.protocol import Handoff, HandoffChecks, PendingHandoff
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class LoadSpec:
 
     A ``PendingHandoff`` (``--dispatch concurrent``): the producer's blocks are not known yet;
     the worker's acquire waits for the prefill, and the handoff its grant carries is checked
-    with ``checks`` (``protocol.validate_handoff``'s arguments) before a byte moves.
+    with ``checks`` before a byte moves.
     """
 
     req_id: str
@@ -42,7 +41,7 @@ class LoadSpec:
     local_block_ids: list[int]
     error: str | None = None
     first_token: int = 0
-    checks: dict[str, Any] = field(default_factory=dict)
+    checks: HandoffChecks | None = None
     # KV cache groups 1.. of a hybrid model (``local_block_ids`` and ``first_token`` are group
     # 0's); empty for a model of one group.
     groups: list[GroupLoad] = field(default_factory=list)
@@ -52,6 +51,12 @@ class LoadSpec:
     # The request's trace context (``traceparent``), with tracing on: the pull's spans go under
     # it (``core.tracing``); {}: no spans.
     trace: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def prompt_digest(self) -> str:
+        """The request's prompt digest, where ``checks`` carry it (a pending handoff's acquire
+        names it, so a lease of another prompt is not granted); "" otherwise."""
+        return self.checks.prompt_digest if self.checks is not None else ""
 
     @property
     def fills_blocks(self) -> bool:
