@@ -89,7 +89,7 @@ def make_worker(engine, side_channel, load_timeout_s: float = 0.6, **settings) -
     )
     worker = WorkerHalf(resolve(settings, "kv_consumer", "consumer", 1), 0, "hash", 8)
     # What register_kv_caches sets up around a real engine and real KV tensors.
-    worker._puller.attach(TransferAgent.wrapping(engine), [LOCAL])
+    worker._puller.reader.attach(TransferAgent.wrapping(engine), [LOCAL])
     worker._puller._client = side_channel
     return worker
 
@@ -437,7 +437,7 @@ def _layout_worker(engine, channel, tp_size: int, rank: int, block_size: int) ->
     cfg = resolve(settings, "kv_consumer", "consumer", tp_size)
     worker = WorkerHalf(cfg, rank, "hash", 8, kv_heads=4, block_size=block_size)
     segment = _cpu_segment(20_000, 4 // tp_size, block_size)
-    worker._puller.attach(TransferAgent.wrapping(engine), [segment])
+    worker._puller.reader.attach(TransferAgent.wrapping(engine), [segment])
     worker._puller._client = channel
     return worker
 

@@ -30,8 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-import torch
-
 from mooncake_vllm.core import tracing
 from mooncake_vllm.core.auth import AuthError, Keys, open_record, short_id
 from mooncake_vllm.core.kv_groups import KVGroup
@@ -49,7 +47,6 @@ from mooncake_vllm.p2p.protocol import (
     Granted,
     Handoff,
     HandoffError,
-    MemSegment,
     PendingHandoff,
     Refused,
     Release,
@@ -66,7 +63,6 @@ from mooncake_vllm.p2p.reads import (
 from mooncake_vllm.p2p.side_channel import CallCancelled, SideChannelClient, SideChannelError
 from mooncake_vllm.p2p.step_metadata import LoadSpec
 from mooncake_vllm.p2p.upstream import BootstrapError, BootstrapResolver
-from mooncake_vllm.transfer.engine import TransferAgent
 from mooncake_vllm.transfer.store_bridge import MetadataBridge
 
 logger = logging.getLogger(__name__)
@@ -145,19 +141,13 @@ class Puller:
         # the outcome vLLM waits for (its lease TTL frees the blocks anyway).
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="mooncake-release")
 
-    def attach(
-        self,
-        engine: TransferAgent,
-        segments: list[MemSegment],
-        owners: list[str] | None = None,
-        group_segments: list[list[int]] | None = None,
-        layers: list[torch.Tensor] | None = None,
-        staging: torch.Tensor | None = None,
-        bridge: MetadataBridge | None = None,
-    ) -> None:
-        """What the pulls read into (``Reader.attach``), and ``bridge`` to look producers up in
-        the engine registry."""
-        self._reader.attach(engine, segments, owners, group_segments, layers, staging)
+    @property
+    def reader(self) -> Reader:
+        """This rank's layout and reads (``Reader.attach`` once the KV cache is registered)."""
+        return self._reader
+
+    def use_registry(self, bridge: MetadataBridge | None) -> None:
+        """``bridge``: where producers the handoff does not locate are looked up."""
         self._bridge = bridge
 
     # ---- every step ----------------------------------------------------------------------

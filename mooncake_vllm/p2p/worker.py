@@ -189,9 +189,10 @@ class WorkerHalf:
             ):
                 staging = torch.empty(s.reblock_buffer_bytes, dtype=torch.uint8)
                 self._engine.register(staging.data_ptr(), s.reblock_buffer_bytes, "*")
-            self._puller.attach(
-                self._engine, segments, owners, self._group_segments, layers, staging, self._bridge
+            self._puller.reader.attach(
+                self._engine, segments, owners, self._group_segments, layers, staging
             )
+            self._puller.use_registry(self._bridge)
         if self._bridge is not None:
             record = EngineRecord(
                 engine_id=cfg.engine_id,
