@@ -150,11 +150,15 @@ def test_off_imports_nothing_of_opentelemetry():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_the_lease_table_says_why_each_lease_ended():
+@pytest.mark.parametrize("traced", [True, False])
+def test_the_lease_table_says_why_each_lease_ended(traced):
     from mooncake_vllm.p2p.leases.table import LeaseTable
 
     now = [0.0]
-    table = LeaseTable(ttl_s=10.0, budget_bytes=1 << 30, pull_hold_s=5.0, clock=lambda: now[0])
+    table = LeaseTable(
+        ttl_s=10.0, budget_bytes=1 << 30, pull_hold_s=5.0, clock=lambda: now[0],
+        keep_reasons=traced,
+    )  # fmt: skip
     table.add("req-a", "tid-a", [1, 2], 100)
     table.add("req-b", "tid-b", [3], 100)
     owner = b"o" * 16
@@ -162,5 +166,8 @@ def test_the_lease_table_says_why_each_lease_ended():
     table.release("tid-a", owner, ok=False)
     now[0] = 11.0
     table.expire()
+    if not traced:  # tracing off: nothing kept per request
+        assert table.take_ended_reasons() == {}
+        return
     assert table.take_ended_reasons() == {"req-a": "pull failed", "req-b": "expired"}
     assert table.take_ended_reasons() == {}  # taken: the dict stays bounded

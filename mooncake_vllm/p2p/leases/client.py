@@ -110,6 +110,7 @@ class LeaseService:
             max_peers=s.side_channel_max_peers,
             layers_endpoint=layers_endpoint(cfg.host, cfg.base_port) if self.layers_token else "",
             layers_token=self.layers_token,
+            lease_reasons=cfg.otlp_traces_endpoint is not None,
         )
         try:
             self._conn.send_bytes(encode(start))

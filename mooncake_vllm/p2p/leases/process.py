@@ -100,6 +100,8 @@ class Start(msgspec.Struct, tag="start", frozen=True, kw_only=True):
     # (handed to the workers in the step metadata, so no other local process can mark layers).
     layers_endpoint: str = ""
     layers_token: bytes = b""
+    # Tracing on: each ended lease's reason by request id, for its span (``Ended.by_request``).
+    lease_reasons: bool = False
 
 
 class Layouts(msgspec.Struct, tag="layouts", frozen=True):
@@ -182,7 +184,11 @@ class LeaseServer:
         marks_needed = max(1, len(start.ports) // start.tables)
         self._tables = [
             LeaseTable(
-                start.ttl_s, start.budget_bytes, start.pull_hold_s, marks_needed=marks_needed
+                start.ttl_s,
+                start.budget_bytes,
+                start.pull_hold_s,
+                marks_needed=marks_needed,
+                keep_reasons=start.lease_reasons,
             )
             for _ in range(start.tables)
         ]

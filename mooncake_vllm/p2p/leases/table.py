@@ -131,7 +131,10 @@ class LeaseTable:
         clock: Callable[[], float] = time.monotonic,
         remember_ended: int = 8192,
         marks_needed: int = 1,
+        keep_reasons: bool = False,
     ):
+        """``keep_reasons``: note why each request's lease ended (``take_ended_reasons``, for
+        its span: tracing on)."""
         self._ttl_s = ttl_s
         self._budget_bytes = budget_bytes
         self._pull_hold_s = pull_hold_s
@@ -147,6 +150,7 @@ class LeaseTable:
         self.ended_counts: dict[str, int] = {}
         # Request -> why its lease ended, since the last ``take_ended_reasons`` (for spans).
         self.ended_reasons: dict[str, str] = {}
+        self._keep_reasons = keep_reasons
 
     def add(
         self,
@@ -373,4 +377,5 @@ class LeaseTable:
         else:
             self._finished_req_ids.add(lease.req_id)
         self.ended_counts[reason] = self.ended_counts.get(reason, 0) + 1
-        self.ended_reasons[lease.req_id] = reason
+        if self._keep_reasons:
+            self.ended_reasons[lease.req_id] = reason
