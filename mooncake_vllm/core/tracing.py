@@ -23,6 +23,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 TRACE_HEADERS = ("traceparent", "tracestate")
+TRACE_HEADER_BYTES = tuple(name.encode() for name in TRACE_HEADERS)  # as ASGI names them
+# A longer value is not a trace context (traceparent is 55 characters): it is not carried.
+MAX_TRACE_HEADER = 1024
 # The service names our spans carry: the proxy's, and the connector's in an engine's processes.
 PROXY_SERVICE = "mooncake-vllm-proxy"
 CONNECTOR_SERVICE = "mooncake-vllm-connector"
@@ -40,7 +43,7 @@ def trace_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     out = {}
     for name, value in headers.items():
         lower = name.lower()
-        if lower in TRACE_HEADERS and isinstance(value, str) and len(value) <= 1024:
+        if lower in TRACE_HEADERS and isinstance(value, str) and len(value) <= MAX_TRACE_HEADER:
             out[lower] = value
     return out
 

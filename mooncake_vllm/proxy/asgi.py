@@ -190,7 +190,7 @@ class GenerationDoor:
                 request_id_header = value.decode("latin-1")
             elif name == b"content-length":
                 content_length = value
-            elif name in (b"traceparent", b"tracestate") and len(value) <= 1024:
+            elif name in tracing.TRACE_HEADER_BYTES and len(value) <= tracing.MAX_TRACE_HEADER:
                 trace_parent[name.decode()] = value.decode("latin-1")
         client = scope.get("client")
         admitted = self._gate.admit(
